@@ -1,0 +1,19 @@
+"""zeropp_jax: ZeRO++ for JAX.
+
+Quantized weight all-gathers (qwZ), a secondary weight shard inside each node (hpZ) and a
+quantized two-hop gradient reduction (qgZ) over a `('node', 'local')` device mesh.
+"""
+
+from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax.mesh import make_mesh
+from zeropp_jax.quant import QuantizedArray, dequantize_blockwise, quantize_blockwise
+
+__all__ = [
+    "QuantizedArray",
+    "ZeroPPConfig",
+    "dequantize_blockwise",
+    "make_mesh",
+    "quantize_blockwise",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,110 @@
+"""`ZeroPPConfig`: the frozen, self-validating description of one ZeRO++ configuration.
+
+Each field decides what one collective sends. `None` for a bit width means that collective
+runs unquantized (16-bit values moved as their raw bits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+WEIGHT_BITS = (None, 8, 4, 2)
+GRAD_BITS = (None, 8, 4, 2)
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+KERNELS = ("auto", "xla", "pallas")
+
+
+def _fail(field: str, value: Any, allowed: str, fix: str = "") -> None:
+    msg = f"ZeroPPConfig.{field}={value!r} is not allowed; expected {allowed}."
+    if fix:
+        msg += f" {fix}"
+    raise ValueError(msg)
+
+
+def _check_block_size(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 8:
+        _fail(
+            field,
+            value,
+            "a positive int that is a multiple of 8 (so 2-, 4- and 8-bit values pack into "
+            "whole bytes)",
+            "Typical values are 64, 128, 256 or 512.",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroPPConfig:
+    """What each ZeRO++ collective sends. Defaults are the paper's ZeRO++.
+
+    Attributes:
+      weight_bits: qwZ. Bits per weight value on the weight all-gathers (8, 4 or 2), or None
+        to gather unquantized in `compute_dtype`.
+      weight_block_size: values per quantization block (one float32 scale each) on the
+        weight gathers.
+      hierarchical: hpZ. Keep a secondary weight shard inside each node so the backward
+        weight gather runs over the `local` axis only. False re-gathers over all devices.
+      grad_bits: qgZ. Bits per gradient value on the two-hop gradient reduction (8, 4 or 2),
+        or None for an unquantized reduce-scatter.
+      grad_block_size: values per quantization block on the gradient reduction.
+      compute_dtype: dtype the model runs in (weights are gathered into it). Master weights
+        and optimizer state stay float32.
+      kernels: implementation of quantize/dequantize: "xla" (plain jnp), "pallas" (the
+        kernels in `pallas_kernels`), or "auto" (Pallas on GPU, XLA elsewhere).
+      skip_nonfinite_updates: if True, a step whose gradients hold NaN or Inf leaves the
+        parameters and optimizer state unchanged (the step counter and a skipped-step
+        counter still advance) instead of writing non-finite values into the master weights.
+    """
+
+    weight_bits: int | None = 8
+    weight_block_size: int = 256
+    hierarchical: bool = True
+    grad_bits: int | None = 4
+    grad_block_size: int = 256
+    compute_dtype: Any = jnp.bfloat16
+    kernels: str = "auto"
+    skip_nonfinite_updates: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weight_bits not in WEIGHT_BITS or isinstance(self.weight_bits, bool):
+            _fail("weight_bits", self.weight_bits, f"one of {WEIGHT_BITS}")
+        if self.grad_bits not in GRAD_BITS or isinstance(self.grad_bits, bool):
+            _fail("grad_bits", self.grad_bits, f"one of {GRAD_BITS}")
+        _check_block_size("weight_block_size", self.weight_block_size)
+        _check_block_size("grad_block_size", self.grad_block_size)
+        if not isinstance(self.hierarchical, bool):
+            _fail("hierarchical", self.hierarchical, "True or False")
+        if not isinstance(self.skip_nonfinite_updates, bool):
+            _fail("skip_nonfinite_updates", self.skip_nonfinite_updates, "True or False")
+        if self.kernels not in KERNELS:
+            _fail("kernels", self.kernels, f"one of {KERNELS}")
+        try:
+            name = jnp.dtype(self.compute_dtype).name
+        except TypeError:
+            name = None
+        if name not in COMPUTE_DTYPES:
+            _fail(
+                "compute_dtype",
+                self.compute_dtype,
+                f"one of {COMPUTE_DTYPES}",
+                "Pass e.g. jnp.bfloat16.",
+            )
+        object.__setattr__(self, "compute_dtype", jnp.dtype(name))
+
+    @classmethod
+    def zero3(cls, **overrides: Any) -> ZeroPPConfig:
+        """Plain ZeRO-3: unquantized flat gathers and reduce-scatter, no secondary shard."""
+        fields = dict(weight_bits=None, hierarchical=False, grad_bits=None)
+        fields.update(overrides)
+        return cls(**fields)
+
+    def replace(self, **changes: Any) -> ZeroPPConfig:
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def is_zero3(self) -> bool:
+        """True when no ZeRO++ technique is on."""
+        return self.weight_bits is None and self.grad_bits is None and not self.hierarchical

@@ -1,0 +1,191 @@
+"""Block quantization: the reference (plain jnp) quantizer every collective uses.
+
+Symmetric absmax per block of `block_size` consecutive values: `scale = absmax / qmax` with
+`qmax = 2**(bits-1) - 1`, `q = round(x / scale)` in `[-qmax, qmax]`, `x ~= q * scale`. The
+round-trip error of a value is at most half a step, `scale / 2`, with round-to-nearest.
+
+Wire layout (what a collective moves):
+  * 8 bits: `values` is int8 of shape `(num_blocks, block_size)`.
+  * 4 and 2 bits: `values` is uint8 of shape `(num_blocks, block_size * bits // 8)`; each
+    value is stored offset-binary (`q + 2**(bits-1)`) and the `8 // bits` values sharing a
+    byte are taken from the `8 // bits` equal planes of the block (value `j` of plane `i`
+    sits in bits `[bits*i, bits*(i+1))` of byte `j`), so packing and unpacking touch only
+    contiguous slices.
+  * `scales` is float32 of shape `(num_blocks,)`.
+
+Non-finite input: a block holding NaN or Inf gets a non-finite scale, so every value of
+that block dequantizes to NaN (never to a finite number); other blocks are untouched. An
+all-zero block has scale 0 and dequantizes to exact zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+BITS = (8, 4, 2)
+
+
+def qmax(bits: int) -> int:
+    """Largest quantized magnitude for `bits`: 127, 7 or 1."""
+    return 2 ** (bits - 1) - 1
+
+
+def check_bits(bits: int, block_size: int) -> None:
+    """Raises `ValueError` unless `bits` and `block_size` can be quantized and packed."""
+    if bits not in BITS or isinstance(bits, bool):
+        raise ValueError(f"bits={bits!r} is not supported; expected one of {BITS}.")
+    per_byte = 8 // bits
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int)
+        or block_size <= 0
+        or block_size % per_byte
+    ):
+        raise ValueError(
+            f"block_size={block_size!r} is not supported for bits={bits}; expected a positive "
+            f"int divisible by {per_byte} (values per byte)."
+        )
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["values", "scales"],
+    meta_fields=["bits", "block_size", "shape"],
+)
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """Block-quantized array.
+
+    Attributes:
+      values: int8 `(num_blocks, block_size)` for 8 bits, packed uint8
+        `(num_blocks, block_size * bits // 8)` for 4 and 2 bits.
+      scales: float32 `(num_blocks,)`.
+      bits: 8, 4 or 2.
+      block_size: values per block.
+      shape: shape of the original array (the last block is zero-padded internally).
+    """
+
+    values: jax.Array
+    scales: jax.Array
+    bits: int
+    block_size: int
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """Number of original values."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of payload plus scales."""
+        return self.values.size * self.values.dtype.itemsize + self.scales.size * 4
+
+
+def num_blocks(size: int, block_size: int) -> int:
+    """Blocks needed for `size` values."""
+    return -(-size // block_size)
+
+
+def to_blocks(x: jax.Array, block_size: int) -> jax.Array:
+    """Flattens `x` and zero-pads it into `(num_blocks, block_size)`."""
+    flat = x.reshape(-1)
+    pad = num_blocks(flat.size, block_size) * block_size - flat.size
+    if pad:
+        flat = jnp.pad(flat, (0, pad))
+    return flat.reshape(-1, block_size)
+
+
+def pack(q: jax.Array, bits: int) -> jax.Array:
+    """Packs int8 `q` in `[-qmax, qmax]`, shape `(..., block_size)`, into the wire layout."""
+    if bits == 8:
+        return q.astype(jnp.int8)
+    per_byte = 8 // bits
+    u = (q.astype(jnp.int32) + 2 ** (bits - 1)).astype(jnp.uint8)
+    planes = u.reshape(*u.shape[:-1], per_byte, u.shape[-1] // per_byte)
+    out = planes[..., 0, :]
+    for i in range(1, per_byte):
+        out = out | (planes[..., i, :] << jnp.uint8(bits * i))
+    return out
+
+
+def unpack(values: jax.Array, bits: int) -> jax.Array:
+    """Inverse of `pack`: int8 of shape `(..., block_size)`."""
+    if bits == 8:
+        return values.astype(jnp.int8)
+    per_byte = 8 // bits
+    mask = jnp.uint8(2**bits - 1)
+    planes = [(values >> jnp.uint8(bits * i)) & mask for i in range(per_byte)]
+    u = jnp.concatenate(planes, axis=-1)
+    return (u.astype(jnp.int8) - jnp.int8(2 ** (bits - 1))).astype(jnp.int8)
+
+
+def quantize_blocks(
+    blocks: jax.Array, *, bits: int, key: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Quantizes rows of `blocks` `(..., block_size)`; returns packed values and scales.
+
+    Scales have shape `blocks.shape[:-1]`, float32. With `key`, rounds stochastically
+    (`floor(x / scale + u)`, `u ~ U[0, 1)`), which is unbiased; else to nearest (ties even).
+    """
+    x = blocks.astype(jnp.float32)
+    m = qmax(bits)
+    absmax = jnp.max(jnp.abs(x), axis=-1)
+    scales = absmax / m
+    safe = jnp.where(scales > 0, scales, 1.0)
+    y = x / safe[..., None]
+    if key is None:
+        r = jnp.round(y)
+    else:
+        r = jnp.floor(y + jax.random.uniform(key, y.shape, jnp.float32))
+    r = jnp.clip(r, -m, m)
+    r = jnp.where(jnp.isfinite(r), r, 0.0)
+    return pack(r.astype(jnp.int8), bits), scales
+
+
+def dequantize_blocks(
+    values: jax.Array, scales: jax.Array, *, bits: int, dtype: jnp.dtype = jnp.float32
+) -> jax.Array:
+    """Dequantizes packed `values` with `scales` `(...)` into `(..., block_size)` of `dtype`."""
+    q = unpack(values, bits).astype(jnp.float32)
+    return (q * scales[..., None]).astype(dtype)
+
+
+def quantize_blockwise(
+    x: jax.Array, *, bits: int, block_size: int, key: jax.Array | None = None
+) -> QuantizedArray:
+    """Block-quantizes `x` (any shape and size; flattened, last block zero-padded).
+
+    Args:
+      x: float array (float32, bfloat16 or float16).
+      bits: 8, 4 or 2.
+      block_size: values per block (one float32 scale each), divisible by `8 // bits`.
+      key: a PRNG key for stochastic rounding; None rounds to nearest.
+
+    Returns:
+      A `QuantizedArray` holding `ceil(x.size / block_size)` blocks.
+    """
+    check_bits(bits, block_size)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"quantize_blockwise expects a float array, got dtype {x.dtype}.")
+    values, scales = quantize_blocks(to_blocks(x, block_size), bits=bits, key=key)
+    return QuantizedArray(values, scales, bits, block_size, tuple(x.shape))
+
+
+def dequantize_blockwise(q: QuantizedArray, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Dequantizes `q` back to its original shape in `dtype`."""
+    blocks = dequantize_blocks(q.values, q.scales, bits=q.bits, dtype=dtype)
+    return blocks.reshape(-1)[: q.size].reshape(q.shape)
+
+
+def step_size(x: jax.Array, *, bits: int, block_size: int) -> jax.Array:
+    """Quantization step (`scale`) of the block each value of `x` falls in; shape of `x`."""
+    blocks = to_blocks(x.astype(jnp.float32), block_size)
+    scales = jnp.max(jnp.abs(blocks), axis=-1) / qmax(bits)
+    full = jnp.broadcast_to(scales[:, None], blocks.shape)
+    return full.reshape(-1)[: x.size].reshape(x.shape)
