@@ -189,3 +189,35 @@ def step_size(x: jax.Array, *, bits: int, block_size: int) -> jax.Array:
     scales = jnp.max(jnp.abs(blocks), axis=-1) / qmax(bits)
     full = jnp.broadcast_to(scales[:, None], blocks.shape)
     return full.reshape(-1)[: x.size].reshape(x.shape)
+
+
+def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, *, bits: int) -> jax.Array:
+    """Dequantizes `G` stacked block sets and sums them in float32.
+
+    Args:
+      values: packed values `(G, num_blocks, bytes_per_block)` (e.g. the chunks received
+        from an all-to-all, one per source device).
+      scales: float32 `(G, num_blocks)`.
+      bits: bits per value.
+
+    Returns:
+      float32 `(num_blocks, block_size)`: `sum_g dequantize(values[g], scales[g])`, summed
+      left to right over `g` (a fixed order, so every implementation agrees bit for bit).
+    """
+    acc = dequantize_blocks(values[0], scales[0], bits=bits)
+    for g in range(1, values.shape[0]):
+        acc = acc + dequantize_blocks(values[g], scales[g], bits=bits)
+    return acc
+
+
+def dequantize_sum_quantize_blocks(
+    values: jax.Array,
+    scales: jax.Array,
+    *,
+    bits: int,
+    out_bits: int,
+    key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`dequantize_sum_blocks` followed by `quantize_blocks` at `out_bits`: the middle of the
+    two-hop gradient reduction (receive the `local` hop, re-quantize for the `node` hop)."""
+    return quantize_blocks(dequantize_sum_blocks(values, scales, bits=bits), bits=out_bits, key=key)
