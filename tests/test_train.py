@@ -1,0 +1,116 @@
+"""The trainer: model, data pipeline and the `zeropp-train` CLI."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zeropp_jax.train import data
+from zeropp_jax.train.model import GPT, GPTConfig, cross_entropy, init_params
+
+TINY = GPTConfig(seq_len=16, d_model=32, n_layers=1, n_heads=4)
+
+
+# --- model -----------------------------------------------------------------------------
+
+
+def test_model_shapes_and_dtypes():
+    params = init_params(TINY, 0)
+    tokens = jnp.arange(2 * 16, dtype=jnp.int32).reshape(2, 16)
+    logits = GPT(TINY).apply({"params": params}, tokens)
+    assert logits.shape == (2, 16, 256) and logits.dtype == jnp.float32
+    bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    logits16 = GPT(TINY).apply({"params": bf16}, tokens[:, :8], train=True)
+    assert logits16.shape == (2, 8, 256) and logits16.dtype == jnp.float32
+    loss = cross_entropy(logits, tokens)
+    assert loss.dtype == jnp.float32 and loss.shape == ()
+
+
+def test_model_is_causal():
+    params = init_params(TINY, 1)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 16)), dtype=jnp.int32)
+    changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % 256)
+    a = GPT(TINY).apply({"params": params}, tokens)
+    b = GPT(TINY).apply({"params": params}, changed)
+    np.testing.assert_array_equal(a[:, :10], b[:, :10])
+    assert not np.array_equal(a[:, 10:], b[:, 10:])
+
+
+def test_model_config_validates():
+    with pytest.raises(ValueError, match="n_heads=3 does not divide d_model=32"):
+        GPTConfig(d_model=32, n_heads=3)
+
+
+# --- data ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return data.load_corpus(max_bytes=2 * 2**20)
+
+
+def test_split_is_deterministic_and_disjoint_by_file(corpus):
+    again = data.load_corpus(max_bytes=2 * 2**20)
+    assert corpus.train_files == again.train_files and corpus.val_files == again.val_files
+    np.testing.assert_array_equal(corpus.val, again.val)
+    assert not set(corpus.train_files) & set(corpus.val_files)
+    assert all(data.is_validation(f) for f in corpus.val_files)
+    assert not any(data.is_validation(f) for f in corpus.train_files)
+    assert not any("site-packages" in f for f in corpus.train_files + corpus.val_files)
+    assert 0.01 < len(corpus.val_files) / len(corpus.train_files) < 0.15
+    assert corpus.train.dtype == np.int32 and 0 <= corpus.train.min() <= corpus.train.max() < 256
+    # A byte-level model that ignores context cannot beat this; real text sits at 3-6 bits.
+    assert 3.0 < data.bits(data.unigram_entropy(corpus.train)) < 6.0
+
+
+def test_batch_sampler_is_a_function_of_seed_and_step(corpus):
+    def batch(seed, step):
+        return data.sample_batch(corpus.train, seed=seed, step=step, batch_size=8, seq_len=16)
+
+    b = batch(0, 5)
+    assert b.shape == (8, 17) and b.dtype == np.int32
+    np.testing.assert_array_equal(b, batch(0, 5))
+    assert not np.array_equal(b, batch(0, 6))
+    assert not np.array_equal(b, batch(1, 5))
+    # Rows are windows of consecutive corpus tokens.
+    text = corpus.train.astype(np.uint8).tobytes()
+    assert bytes(b[0].astype(np.uint8)) in text
+
+
+def test_prefetcher_yields_the_direct_batches(corpus):
+    def make(step):
+        return data.sample_batch(corpus.train, seed=3, step=step, batch_size=4, seq_len=16)
+
+    with data.Prefetcher(make, 2, 7) as pf:
+        got = list(pf)
+    assert [s for s, _ in got] == [2, 3, 4, 5, 6]
+    for step, batch in got:
+        np.testing.assert_array_equal(batch, make(step))
+    # Stopping early still joins the thread.
+    pf = data.Prefetcher(make, 0, 1000)
+    next(iter(pf))
+    pf.close()
+    assert not pf._thread.is_alive()
+
+
+def test_prefetcher_reraises_errors():
+    def make(step):
+        if step == 1:
+            raise RuntimeError("boom")
+        return step
+
+    with data.Prefetcher(make, 0, 3) as pf, pytest.raises(RuntimeError, match="boom"):
+        list(pf)
+
+
+def test_global_batch_assembly(corpus):
+    import zeropp_jax as zpp
+
+    mesh = zpp.make_mesh(num_nodes=2, local_size=4)
+    sharding = data.batch_sharding(mesh)
+    batch = data.sample_batch(corpus.train, seed=0, step=0, batch_size=16, seq_len=16)
+    local = data.local_rows(batch, sharding)  # one process: every row
+    assert local.shape == batch.shape
+    arr = data.make_global_batch(local, sharding, 16)
+    assert arr.shape == (16, 17) and arr.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(arr), batch)
