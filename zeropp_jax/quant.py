@@ -1,8 +1,9 @@
 """Block quantization: the reference (plain jnp) quantizer every collective uses.
 
 Symmetric absmax per block of `block_size` consecutive values: `scale = absmax / qmax` with
-`qmax = 2**(bits-1) - 1`, `q = round(x / scale)` in `[-qmax, qmax]`, `x ~= q * scale`. The
-round-trip error of a value is at most half a step, `scale / 2`, with round-to-nearest.
+`qmax = 2**(bits-1) - 1` (kept normal: see `block_scales`), `q = round(x / scale)` in
+`[-qmax, qmax]`, `x ~= q * scale`. The round-trip error of a value is at most half a step,
+`scale / 2`, with round-to-nearest (plus float32 rounding of the arithmetic).
 
 Wire layout (what a collective moves):
   * 8 bits: `values` is int8 of shape `(num_blocks, block_size)`.
@@ -23,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +40,8 @@ def qmax(bits: int) -> int:
 
 def check_bits(bits: int, block_size: int) -> None:
     """Raises `ValueError` unless `bits` and `block_size` can be quantized and packed."""
-    if bits not in BITS or isinstance(bits, bool):
-        raise ValueError(f"bits={bits!r} is not supported; expected one of {BITS}.")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+        raise ValueError(f"bits={bits!r} is not supported; expected one of {BITS} (an int).")
     per_byte = 8 // bits
     if (
         isinstance(block_size, bool)
@@ -85,6 +88,26 @@ class QuantizedArray:
     def nbytes(self) -> int:
         """Bytes of payload plus scales."""
         return self.values.size * self.values.dtype.itemsize + self.scales.size * 4
+
+
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+_F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # 2**-126, the smallest normal float32
+_BIG_SCALE = 2.0**126  # a scale at least this large has a subnormal reciprocal
+
+
+def block_scales(absmax: jax.Array, bits: int) -> jax.Array:
+    """Float32 scale of each block from its absmax: `absmax / qmax`, kept in the normal range.
+
+    A nonzero scale is at least `2**-126`: XLA on CPU flushes subnormal results to zero, and a
+    subnormal scale would turn a block of small normal values into zeros. A finite scale is
+    rounded down where `qmax * scale` would overflow to Inf (absmax within 2**-24 of the
+    float32 maximum). Zero, NaN and Inf pass through.
+    """
+    m = qmax(bits)
+    scales = absmax / m
+    scales = jnp.where(absmax > 0, jnp.maximum(scales, _F32_TINY), scales)
+    overflow = jnp.isfinite(absmax) & jnp.isinf(scales * m)
+    return jnp.where(overflow, jnp.nextafter(scales, jnp.float32(0)), scales)
 
 
 def num_blocks(size: int, block_size: int) -> int:
@@ -135,9 +158,14 @@ def quantize_blocks(
     """
     x = blocks.astype(jnp.float32)
     m = qmax(bits)
-    absmax = jnp.max(jnp.abs(x), axis=-1)
-    scales = absmax / m
+    scales = block_scales(jnp.max(jnp.abs(x), axis=-1), bits)
     safe = jnp.where(scales > 0, scales, 1.0)
+    if m * _BIG_SCALE <= _F32_MAX:
+        # XLA computes `x / broadcast(s)` as `x * (1 / s)`, and `1 / s` is subnormal (flushed
+        # to zero on CPU) once `s >= 2**126`, which only a 2-bit scale reaches: bring such
+        # blocks down by an exact power of two first.
+        pre = jnp.where(safe >= _BIG_SCALE, 2.0**-63, 1.0)
+        x, safe = x * pre[..., None], safe * pre
     y = x / safe[..., None]
     if key is None:
         r = jnp.round(y)
@@ -186,7 +214,7 @@ def dequantize_blockwise(q: QuantizedArray, dtype: jnp.dtype = jnp.float32) -> j
 def step_size(x: jax.Array, *, bits: int, block_size: int) -> jax.Array:
     """Quantization step (`scale`) of the block each value of `x` falls in; shape of `x`."""
     blocks = to_blocks(x.astype(jnp.float32), block_size)
-    scales = jnp.max(jnp.abs(blocks), axis=-1) / qmax(bits)
+    scales = block_scales(jnp.max(jnp.abs(blocks), axis=-1), bits)
     full = jnp.broadcast_to(scales[:, None], blocks.shape)
     return full.reshape(-1)[: x.size].reshape(x.shape)
 
@@ -221,3 +249,22 @@ def dequantize_sum_quantize_blocks(
     """`dequantize_sum_blocks` followed by `quantize_blocks` at `out_bits`: the middle of the
     two-hop gradient reduction (receive the `local` hop, re-quantize for the `node` hop)."""
     return quantize_blocks(dequantize_sum_blocks(values, scales, bits=bits), bits=out_bits, key=key)
+
+
+class Codec(NamedTuple):
+    """One implementation of the four block operations the collectives need.
+
+    `XLA_CODEC` is the plain-jnp reference in this module; `pallas_kernels` provides the
+    same four functions as Pallas kernels. The engine picks one, explicitly, from
+    `ZeroPPConfig.kernels`.
+    """
+
+    quantize_blocks: Callable[..., tuple[jax.Array, jax.Array]]
+    dequantize_blocks: Callable[..., jax.Array]
+    dequantize_sum_blocks: Callable[..., jax.Array]
+    dequantize_sum_quantize_blocks: Callable[..., tuple[jax.Array, jax.Array]]
+
+
+XLA_CODEC = Codec(
+    quantize_blocks, dequantize_blocks, dequantize_sum_blocks, dequantize_sum_quantize_blocks
+)

@@ -1,0 +1,294 @@
+"""Collectives against unsharded references: exact when unquantized, within the quantizer's
+analytic bound (half a step per value and quantization event) when quantized."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax import collectives as C
+from zeropp_jax import make_mesh
+from zeropp_jax.quant import qmax
+
+MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
+ROWS, COLS = 3, 5  # 15 values per shard: not a multiple of any block size used
+
+
+def per_device(mesh, fn, x, *extra):
+    """Runs `fn` on each device's slice `x[n, l]` of `x` `(Nn, L, ...)`; returns
+    `(Nn, L, ...)` of per-device results."""
+
+    def body(xs, *es):
+        out = fn(xs[0, 0], *(e[0, 0] for e in es))
+        return out[None, None]
+
+    spec = P("node", "local")
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec,) * (1 + len(extra)), out_specs=spec, check_vma=False
+    )
+    return np.asarray(jax.jit(f)(x, *extra))
+
+
+def rand(shape, seed=0, dtype=jnp.float32, heavy=False):
+    k = jax.random.key(seed)
+    x = jax.random.t(k, 2.0, shape) if heavy else jax.random.normal(k, shape)
+    return x.astype(dtype)
+
+
+def partition_order(x):
+    """`(Nn, L, rows, ...)` per-device shards -> the global array in partition order."""
+    nn, ll = x.shape[:2]
+    return np.concatenate([np.asarray(x[n, l]) for l in range(ll) for n in range(nn)])
+
+
+def block_steps(shard, bits, block_size):
+    """Per-value quantization step of a shard quantized on its own (numpy, float64)."""
+    flat = np.asarray(shard, np.float64).reshape(-1)
+    pad = (-flat.size) % block_size
+    b = np.pad(flat, (0, pad)).reshape(-1, block_size)
+    steps = np.abs(b).max(axis=1, keepdims=True) / qmax(bits)
+    return np.broadcast_to(steps, b.shape).reshape(-1)[: flat.size].reshape(np.shape(shard))
+
+
+@pytest.mark.parametrize("shape", MESHES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unquantized_gathers_equal_lax(shape, dtype):
+    mesh = make_mesh(*shape)
+    nn, ll = shape
+    x = rand((nn, ll, ROWS, COLS), dtype=dtype)
+    full = partition_order(x)
+    for axis in ("node", "local", ("node", "local")):
+        got = per_device(
+            mesh,
+            lambda s, a=axis: C.all_gather_quantized(s, axis_name=a, bits=None, block_size=8),
+            x,
+        )
+        ref = per_device(mesh, lambda s, a=axis: jax.lax.all_gather(s, a, tiled=True), x)
+        np.testing.assert_array_equal(got, ref)
+    got = per_device(mesh, lambda s: C.flat_all_gather(s, bits=None, block_size=8), x)
+    sec_full = per_device(
+        mesh, lambda s: jnp.concatenate(C.hierarchical_all_gather(s, bits=None, block_size=8)), x
+    )
+    for n in range(nn):
+        for l in range(ll):
+            np.testing.assert_array_equal(got[n, l], full)
+            np.testing.assert_array_equal(sec_full[n, l, nn * ROWS :], full)
+            lo = l * nn * ROWS
+            np.testing.assert_array_equal(sec_full[n, l, : nn * ROWS], full[lo : lo + nn * ROWS])
+
+
+@pytest.mark.parametrize("shape", MESHES)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_quantized_gathers_within_bound(shape, bits, block_size):
+    mesh = make_mesh(*shape)
+    nn, ll = shape
+    x = rand((nn, ll, ROWS, COLS), seed=1, heavy=True)
+    full = partition_order(x)
+    steps = np.concatenate(
+        [block_steps(x[n, l], bits, block_size) for l in range(ll) for n in range(nn)]
+    )
+    bound = steps / 2 + np.abs(full) * 2.0**-22
+    flat = per_device(mesh, lambda s: C.flat_all_gather(s, bits=bits, block_size=block_size), x)
+    hier = per_device(
+        mesh, lambda s: C.hierarchical_all_gather(s, bits=bits, block_size=block_size)[1], x
+    )
+    for out in (flat, hier):
+        err = np.abs(out - full[None, None])
+        assert np.all(err <= bound), float(np.max(err / bound))
+    gathered = per_device(
+        mesh,
+        lambda s: C.all_gather_quantized(s, axis_name="local", bits=bits, block_size=block_size),
+        x,
+    )
+    for n in range(nn):
+        ref = np.concatenate([np.asarray(x[n, l]) for l in range(ll)])
+        st = np.concatenate([block_steps(x[n, l], bits, block_size) for l in range(ll)])
+        assert np.all(np.abs(gathered[n, 0] - ref) <= st / 2 + np.abs(ref) * 2.0**-22)
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_unquantized_reductions_equal_psum_scatter(shape):
+    mesh = make_mesh(*shape)
+    nn, ll = shape
+    n = nn * ll
+    x = rand((nn, ll, n * ROWS, COLS), seed=2)
+    for axis in ("node", "local", ("node", "local")):
+        got = per_device(
+            mesh,
+            lambda s, a=axis: C.reduce_scatter_quantized(
+                s[: C._group_size(a) * ROWS], axis_name=a, bits=None, block_size=8
+            ),
+            x,
+        )
+        ref = per_device(
+            mesh,
+            lambda s, a=axis: jax.lax.psum_scatter(s[: C._group_size(a) * ROWS], a, tiled=True),
+            x,
+        )
+        np.testing.assert_array_equal(got, ref)
+    ref = per_device(mesh, lambda s: jax.lax.psum_scatter(s, ("local", "node"), tiled=True), x)
+    for fn in (C.two_hop_reduce_scatter, C.flat_reduce_scatter):
+        got = per_device(mesh, lambda s, f=fn: f(s, bits=None, block_size=8), x)
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    # 16-bit input travels as uint16 bits and is summed in float32.
+    xb = x.astype(jnp.bfloat16)
+    got = per_device(
+        mesh,
+        lambda s: C.reduce_scatter_quantized(
+            s, axis_name=("node", "local"), bits=None, block_size=8
+        ),
+        xb,
+    )
+    ref = per_device(
+        mesh,
+        lambda s: jax.lax.psum_scatter(s.astype(jnp.float32), ("node", "local"), tiled=True),
+        xb,
+    )
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def _exact_sums(x, order):
+    """Sum over all devices of each device's piece; `order` maps (n, l) -> piece index."""
+    nn, ll = x.shape[:2]
+    total = np.asarray(x, np.float64).sum(axis=(0, 1)).reshape(nn * ll, -1)
+    out = np.empty((nn, ll, total.shape[1]))
+    for n in range(nn):
+        for l in range(ll):
+            out[n, l] = total[order(n, l)]
+    return out
+
+
+@pytest.mark.parametrize("shape", MESHES)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantized_flat_reduce_scatter_within_bound(shape, bits):
+    mesh = make_mesh(*shape)
+    nn, ll = shape
+    n, bs = nn * ll, 8
+    x = rand((nn, ll, n * ROWS, COLS), seed=3, heavy=True)
+    got = per_device(mesh, lambda s: C.flat_reduce_scatter(s, bits=bits, block_size=bs), x)
+    exact = _exact_sums(x, lambda a, b: b * nn + a)
+    # One quantization event per contribution: sum of the contributors' half steps.
+    pieces = lambda s: np.asarray(s, np.float64).reshape(n, -1)  # noqa: E731
+    bound = np.zeros_like(exact)
+    for a in range(nn):
+        for b in range(ll):
+            p = pieces(x[a, b])
+            st = np.stack([block_steps(p[i], bits, bs) for i in range(n)])
+            for dn in range(nn):
+                for dl in range(ll):
+                    bound[dn, dl] += st[dl * nn + dn] / 2
+    bound += np.abs(exact) * 2.0**-20
+    err = np.abs(got.reshape(exact.shape) - exact)
+    assert np.all(err <= bound), float(np.max(err / bound))
+
+
+@pytest.mark.parametrize("shape", MESHES)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantized_two_hop_within_bound(shape, bits):
+    mesh = make_mesh(*shape)
+    nn, ll = shape
+    n, bs = nn * ll, 8
+    x = rand((nn, ll, n * ROWS, COLS), seed=4, heavy=True)
+    got = per_device(mesh, lambda s: C.two_hop_reduce_scatter(s, bits=bits, block_size=bs), x)
+    got = got.reshape(nn, ll, -1)
+    exact = _exact_sums(x, lambda a, b: b * nn + a)
+    m = qmax(bits)
+    for dn in range(nn):
+        for dl in range(ll):
+            piece = dl * nn + dn
+            hop1 = np.zeros(ROWS * COLS)
+            hop2 = np.zeros(ROWS * COLS)
+            for a in range(nn):
+                # Hop 1 (skipped when ll == 1): each contributor quantized once.
+                partial = np.zeros(ROWS * COLS)
+                err1 = np.zeros(ROWS * COLS)
+                for b in range(ll):
+                    p = np.asarray(x[a, b], np.float64).reshape(n, -1)[piece]
+                    partial += p
+                    if ll > 1:
+                        err1 += block_steps(p, bits, bs) / 2
+                hop1 += err1
+                if nn > 1:
+                    # Hop 2 re-quantizes the received partial sum: its block absmax is at
+                    # most the exact one plus the hop-1 error.
+                    padded = np.pad(partial, (0, (-partial.size) % bs)).reshape(-1, bs)
+                    perr = np.pad(err1, (0, (-err1.size) % bs)).reshape(-1, bs)
+                    st = (np.abs(padded).max(1) + perr.max(1)) / m
+                    hop2 += np.repeat(st, bs)[: partial.size] / 2
+            bound = hop1 + hop2 + np.abs(exact[dn, dl]) * 2.0**-20 + 1e-30
+            err = np.abs(got[dn, dl] - exact[dn, dl])
+            assert np.all(err <= bound), float(np.max(err / bound))
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8)])
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_gather_weight_gradient_equals_unsharded(shape, hierarchical):
+    mesh = make_mesh(*shape)
+    n = shape[0] * shape[1]
+    spec = C.GatherSpec(
+        hierarchical=hierarchical,
+        weight_bits=None,
+        weight_block_size=8,
+        grad_bits=None,
+        grad_block_size=8,
+        two_hop=hierarchical,
+        dtype=jnp.dtype(jnp.float32),
+    )
+    w = rand((n * 2, 6), seed=5)
+    xs = rand((n * 3, 2 * n), seed=6)
+
+    def island(w_shard, x_shard):
+        full = C.gather_weight(w_shard, spec)
+        return jnp.sum(jnp.tanh(x_shard @ full) ** 2)[None]
+
+    f = jax.shard_map(
+        island,
+        mesh=mesh,
+        in_specs=(P(("local", "node")), P(("node", "local"))),
+        out_specs=P(("node", "local")),
+    )
+    got = jax.jit(jax.grad(lambda w, x: f(w, x).sum()))(w, xs)
+    ref = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2))(w, xs)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gather_weight_quantized_gradient_within_bound(bits):
+    mesh = make_mesh(2, 4)
+    spec = functools.partial(
+        C.GatherSpec,
+        hierarchical=True,
+        weight_bits=None,
+        weight_block_size=8,
+        grad_block_size=8,
+        two_hop=True,
+        dtype=jnp.dtype(jnp.float32),
+    )
+    w = rand((16, 6), seed=7)
+    xs = rand((24, 16), seed=8)
+
+    def grads(s):
+        def island(w_shard, x_shard):
+            return jnp.sum(x_shard @ C.gather_weight(w_shard, s))[None]
+
+        f = jax.shard_map(
+            island,
+            mesh=mesh,
+            in_specs=(P(("local", "node")), P(("node", "local"))),
+            out_specs=P(("node", "local")),
+        )
+        return np.asarray(jax.jit(jax.grad(lambda w, x: f(w, x).sum()))(w, xs))
+
+    exact = grads(spec(grad_bits=None))
+    quant = grads(spec(grad_bits=bits))
+    # d/dw sum(x @ w) is the column sums of x: each device contributes the column sums of
+    # its 3 rows. Bound: per hop, half a step per contribution (generously bounded by the
+    # largest contribution over the qmax levels) times the 8 contributions and 2 hops.
+    contrib = np.abs(np.asarray(xs).reshape(8, 3, 16).sum(1)).max()
+    bound = 2 * 8 * (contrib / qmax(bits)) / 2 + 1e-5
+    assert np.max(np.abs(quant - exact)) <= bound
+    assert not np.array_equal(quant, exact)

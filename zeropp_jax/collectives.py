@@ -1,0 +1,504 @@
+"""The ZeRO++ collectives: pure functions meant to run inside `jax.shard_map`.
+
+Shapes: `x` is always the per-device array. A gather over a group of `G` devices turns a
+shard of shape `(rows, ...)` into `(G * rows, ...)`; a reduce-scatter does the reverse and
+returns the float32 sum (not the mean) of the group's contributions to this device's rows.
+
+Partition layout. A parameter's leading dimension is split into `N = num_nodes * local_size`
+pieces with `PartitionSpec(('local', 'node'))`: device `(n, l)` holds piece `l * num_nodes +
+n`. Gathering over `node` then yields local rank `l`'s contiguous *secondary shard* (pieces
+`l * num_nodes ... l * num_nodes + num_nodes - 1`, the same on every node), and gathering
+that over `local` yields the full array in order. The gradient reduction is the transpose:
+hop 1 over `local`, hop 2 over `node`, and each device ends with the sum of its own piece.
+
+None of these functions looks up a mesh, a device count or a config: group sizes come from
+`lax.axis_size` of the axis names they are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from zeropp_jax.quant import XLA_CODEC, Codec, check_bits, num_blocks
+
+SECONDARY_NAME = "zeropp_secondary"
+"""`checkpoint_name` of the hpZ secondary shard (quantized values and scales, or raw bits)."""
+
+AxisName = str | tuple[str, ...]
+
+
+# --------------------------------------------------------------------------- wire helpers
+
+
+def to_wire(x: jax.Array) -> jax.Array:
+    """16-bit floats travel as their uint16 bits (XLA's CPU backend widens bf16 collectives
+    to float32); other dtypes travel as they are."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+        return lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def from_wire(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Inverse of `to_wire`."""
+    if w.dtype == jnp.uint16 and jnp.dtype(dtype) != jnp.uint16:
+        return lax.bitcast_convert_type(w, dtype)
+    return w
+
+
+def _group_size(axis_name: AxisName) -> int:
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    return math.prod(lax.axis_size(a) for a in names)
+
+
+def shard_blocks(x: jax.Array, pieces: int, block_size: int) -> jax.Array:
+    """Splits `x` into `pieces` equal contiguous pieces, each zero-padded to whole blocks.
+
+    Args:
+      x: array whose size is divisible by `pieces`.
+      pieces: number of pieces.
+      block_size: values per block.
+
+    Returns:
+      `(pieces, blocks_per_piece, block_size)`, so no block straddles two pieces.
+    """
+    flat = x.reshape(pieces, -1)
+    n = flat.shape[1]
+    pad = num_blocks(n, block_size) * block_size - n
+    if pad:
+        flat = jnp.pad(flat, ((0, 0), (0, pad)))
+    return flat.reshape(pieces, -1, block_size)
+
+
+def unblock(blocks: jax.Array, piece_shape: Sequence[int]) -> jax.Array:
+    """Inverse of `shard_blocks`: `(pieces, nb, block_size)` -> `(pieces * rows, ...)`."""
+    pieces = blocks.shape[0]
+    n = math.prod(piece_shape)
+    flat = blocks.reshape(pieces, -1)[:, :n]
+    return flat.reshape(pieces * piece_shape[0], *piece_shape[1:])
+
+
+def _quantize(blocks: jax.Array, bits: int, codec: Codec) -> tuple[jax.Array, jax.Array]:
+    """Quantizes `(..., nb, block_size)` blocks; values `(..., nb, bytes)`, scales `(..., nb)`."""
+    lead = blocks.shape[:-1]
+    values, scales = codec.quantize_blocks(blocks.reshape(-1, blocks.shape[-1]), bits=bits)
+    return values.reshape(*lead, -1), scales.reshape(lead)
+
+
+def _dequantize(
+    values: jax.Array, scales: jax.Array, bits: int, dtype: jnp.dtype, codec: Codec
+) -> jax.Array:
+    """Dequantizes `(..., nb, bytes)` values into `(..., nb, block_size)` of `dtype`."""
+    flat = codec.dequantize_blocks(
+        values.reshape(-1, values.shape[-1]), scales.reshape(-1), bits=bits, dtype=dtype
+    )
+    return flat.reshape(*scales.shape, -1)
+
+
+def _piece_order(stacked: jax.Array, num_nodes: int, local_size: int) -> jax.Array:
+    """Reorders a node-major stack `(num_nodes * local_size, ...)` (index `n * L + l`) into
+    partition order (index `l * num_nodes + n`)."""
+    s = stacked.reshape(num_nodes, local_size, *stacked.shape[1:])
+    return jnp.swapaxes(s, 0, 1).reshape(stacked.shape)
+
+
+def _node_major(stacked: jax.Array, num_nodes: int, local_size: int) -> jax.Array:
+    """Inverse of `_piece_order`."""
+    s = stacked.reshape(local_size, num_nodes, *stacked.shape[1:])
+    return jnp.swapaxes(s, 0, 1).reshape(stacked.shape)
+
+
+# --------------------------------------------------------------------------- gathers
+
+
+def all_gather_quantized(
+    x: jax.Array,
+    *,
+    axis_name: AxisName,
+    bits: int | None,
+    block_size: int,
+    codec: Codec = XLA_CODEC,
+) -> jax.Array:
+    """qwZ: block-quantized all-gather of the per-device shard `x` along axis 0.
+
+    Quantizes the local shard once, gathers values and scales (packed bytes for 4 and 2
+    bits), dequantizes. `bits=None` gathers unquantized (16-bit floats as uint16 bits).
+
+    Args:
+      x: per-device shard `(rows, ...)`, a float array.
+      axis_name: mesh axis or tuple of axes (the first one major) to gather over.
+      bits: 8, 4, 2, or None.
+      block_size: values per quantization block (blocks never straddle two shards).
+      codec: block quantization implementation.
+
+    Returns:
+      `(G * rows, ...)` in `x.dtype`, shards in axis-index order.
+    """
+    if bits is None:
+        return from_wire(lax.all_gather(to_wire(x), axis_name, tiled=True), x.dtype)
+    check_bits(bits, block_size)
+    values, scales = _quantize(shard_blocks(x, 1, block_size)[0], bits, codec)
+    gv = lax.all_gather(values, axis_name)
+    gs = lax.all_gather(scales, axis_name)
+    return unblock(_dequantize(gv, gs, bits, x.dtype, codec), x.shape)
+
+
+def hierarchical_all_gather(
+    x: jax.Array,
+    *,
+    bits: int | None,
+    block_size: int,
+    node_axis: str = "node",
+    local_axis: str = "local",
+    codec: Codec = XLA_CODEC,
+) -> tuple[jax.Array, jax.Array]:
+    """hpZ + qwZ: two-stage gather, over `node` (the secondary shard) then over `local`.
+
+    The shard is quantized once; the quantized secondary shard is what the second stage
+    gathers, so there is a single quantization event.
+
+    Args:
+      x: per-device shard `(rows, ...)` in the `('local', 'node')` partition layout.
+      bits: 8, 4, 2, or None (unquantized; 16-bit floats as uint16 bits).
+      block_size: values per quantization block.
+      node_axis: name of the inter-node mesh axis.
+      local_axis: name of the intra-node mesh axis.
+      codec: block quantization implementation.
+
+    Returns:
+      `(secondary, full)`: `(num_nodes * rows, ...)` and `(N * rows, ...)` in `x.dtype`.
+    """
+    wire = secondary_gather(x, bits=bits, block_size=block_size, node_axis=node_axis, codec=codec)
+    full = gather_from_secondary(
+        wire, x.shape, x.dtype, bits=bits, local_axis=local_axis, codec=codec
+    )
+    if bits is None:
+        secondary = from_wire(wire[0], x.dtype)
+    else:
+        secondary = unblock(_dequantize(*wire, bits, x.dtype, codec), x.shape)
+    return secondary, full
+
+
+def secondary_gather(
+    x: jax.Array,
+    *,
+    bits: int | None,
+    block_size: int,
+    node_axis: str = "node",
+    codec: Codec = XLA_CODEC,
+) -> tuple[jax.Array, ...]:
+    """Stage 1 of the hierarchical gather, in wire form (what hpZ keeps).
+
+    Returns:
+      For `bits=None`, `(raw,)`: the secondary shard `(num_nodes * rows, ...)` as wire
+      bits. Else `(values, scales)`: `(num_nodes, nb, bytes)` and `(num_nodes, nb)`.
+    """
+    if bits is None:
+        return (lax.all_gather(to_wire(x), node_axis, tiled=True),)
+    check_bits(bits, block_size)
+    values, scales = _quantize(shard_blocks(x, 1, block_size)[0], bits, codec)
+    return lax.all_gather(values, node_axis), lax.all_gather(scales, node_axis)
+
+
+def gather_from_secondary(
+    wire: tuple[jax.Array, ...],
+    shard_shape: Sequence[int],
+    dtype: jnp.dtype,
+    *,
+    bits: int | None,
+    local_axis: str = "local",
+    codec: Codec = XLA_CODEC,
+) -> jax.Array:
+    """Stage 2 of the hierarchical gather: the full array from the secondary shard.
+
+    Args:
+      wire: output of `secondary_gather`.
+      shard_shape: per-device shard shape `(rows, ...)`.
+      dtype: dtype of the result.
+      bits: as given to `secondary_gather`.
+      local_axis: name of the intra-node mesh axis.
+      codec: block quantization implementation.
+
+    Returns:
+      `(N * rows, ...)` in `dtype`, in partition order.
+    """
+    if bits is None:
+        return from_wire(lax.all_gather(wire[0], local_axis, tiled=True), dtype)
+    values, scales = wire
+    gv = lax.all_gather(values, local_axis, tiled=True)
+    gs = lax.all_gather(scales, local_axis, tiled=True)
+    return unblock(_dequantize(gv, gs, bits, dtype, codec), shard_shape)
+
+
+def flat_all_gather(
+    x: jax.Array,
+    *,
+    bits: int | None,
+    block_size: int,
+    node_axis: str = "node",
+    local_axis: str = "local",
+    codec: Codec = XLA_CODEC,
+) -> jax.Array:
+    """ZeRO-3's gather: one collective over both axes in node-major device order (the
+    order of DeepSpeed's ranks), then a local reorder into partition order.
+
+    Args:
+      x: per-device shard `(rows, ...)` in the `('local', 'node')` partition layout.
+      bits: 8, 4, 2 (qwZ), or None.
+      block_size: values per quantization block.
+      node_axis: name of the inter-node mesh axis.
+      local_axis: name of the intra-node mesh axis.
+      codec: block quantization implementation.
+
+    Returns:
+      `(N * rows, ...)` in `x.dtype`, in partition order.
+    """
+    nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
+    axes = (node_axis, local_axis)
+    if bits is None:
+        stacked = lax.all_gather(to_wire(x), axes)
+        return from_wire(_piece_order(stacked, nn, ll), x.dtype).reshape(-1, *x.shape[1:])
+    check_bits(bits, block_size)
+    values, scales = _quantize(shard_blocks(x, 1, block_size)[0], bits, codec)
+    gv = _piece_order(lax.all_gather(values, axes), nn, ll)
+    gs = _piece_order(lax.all_gather(scales, axes), nn, ll)
+    return unblock(_dequantize(gv, gs, bits, x.dtype, codec), x.shape)
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+def _fold_sum(stacked: jax.Array) -> jax.Array:
+    """float32 sum over axis 0, left to right."""
+    acc = stacked[0].astype(jnp.float32)
+    for g in range(1, stacked.shape[0]):
+        acc = acc + stacked[g].astype(jnp.float32)
+    return acc
+
+
+def reduce_scatter_quantized(
+    x: jax.Array,
+    *,
+    axis_name: AxisName,
+    bits: int | None,
+    block_size: int,
+    codec: Codec = XLA_CODEC,
+) -> jax.Array:
+    """Quantized reduce-scatter: quantize once, all-to-all, dequantize and sum in float32.
+
+    Args:
+      x: per-device contribution `(G * rows, ...)`; chunk `g` (along axis 0) goes to the
+        device of index `g` on `axis_name`.
+      axis_name: mesh axis or tuple of axes (first one major).
+      bits: 8, 4, 2, or None. None: float32 input goes through `lax.psum_scatter`; 16-bit
+        input travels as uint16 bits through an all-to-all and is summed in float32.
+      block_size: values per quantization block (blocks never straddle two chunks).
+      codec: block quantization implementation.
+
+    Returns:
+      float32 `(rows, ...)`: the sum over the group of this device's chunk.
+    """
+    g = _group_size(axis_name)
+    if x.shape[0] % g:
+        raise ValueError(
+            f"reduce_scatter_quantized: leading dimension {x.shape[0]} is not divisible by "
+            f"the group size {g} of axis {axis_name!r}; pad it to a multiple of {g}."
+        )
+    rows_shape = (x.shape[0] // g, *x.shape[1:])
+    if bits is None:
+        if x.dtype.itemsize == 2:
+            chunks = to_wire(x).reshape(g, -1)
+            received = lax.all_to_all(chunks, axis_name, 0, 0)
+            return _fold_sum(from_wire(received, x.dtype)).reshape(rows_shape)
+        return lax.psum_scatter(x.astype(jnp.float32), axis_name, tiled=True)
+    check_bits(bits, block_size)
+    values, scales = _quantize(shard_blocks(x, g, block_size), bits, codec)
+    rv = lax.all_to_all(values, axis_name, 0, 0)
+    rs = lax.all_to_all(scales, axis_name, 0, 0)
+    summed = codec.dequantize_sum_blocks(rv, rs, bits=bits)
+    return unblock(summed[None], rows_shape)
+
+
+def flat_reduce_scatter(
+    x: jax.Array,
+    *,
+    bits: int | None,
+    block_size: int,
+    node_axis: str = "node",
+    local_axis: str = "local",
+    codec: Codec = XLA_CODEC,
+) -> jax.Array:
+    """ZeRO-3's gradient reduce-scatter: one collective over both axes in node-major order.
+
+    Args:
+      x: per-device gradient `(N * rows, ...)` in partition order.
+      bits: 8, 4, 2, or None.
+      block_size: values per quantization block.
+      node_axis: name of the inter-node mesh axis.
+      local_axis: name of the intra-node mesh axis.
+      codec: block quantization implementation.
+
+    Returns:
+      float32 `(rows, ...)`: the sum over all devices of this device's piece.
+    """
+    nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
+    chunks = _node_major(x.reshape(nn * ll, -1), nn, ll).reshape(x.shape)
+    return reduce_scatter_quantized(
+        chunks, axis_name=(node_axis, local_axis), bits=bits, block_size=block_size, codec=codec
+    )
+
+
+def two_hop_reduce_scatter(
+    x: jax.Array,
+    *,
+    bits: int | None,
+    block_size: int,
+    node_bits: int | None | str = "same",
+    node_axis: str = "node",
+    local_axis: str = "local",
+    codec: Codec = XLA_CODEC,
+) -> jax.Array:
+    """qgZ: hierarchical gradient reduction, hop 1 over `local`, hop 2 over `node`.
+
+    Each value is quantized once per hop: hop 1 quantizes this device's whole gradient
+    (every piece in its own blocks), all-to-alls it inside the node, dequantizes and sums
+    in float32; hop 2 re-quantizes that partial sum, all-to-alls it across nodes,
+    dequantizes and sums. A hop over an axis of size 1 is skipped (no collective, no
+    quantization event), so a 1-node mesh does exactly one quantized intra-node hop.
+
+    Args:
+      x: per-device gradient `(N * rows, ...)` in partition order.
+      bits: bits on hop 1 (8, 4, 2) or None for an unquantized hop.
+      block_size: values per quantization block.
+      node_bits: bits on hop 2; "same" uses `bits`.
+      node_axis: name of the inter-node mesh axis.
+      local_axis: name of the intra-node mesh axis.
+      codec: block quantization implementation.
+
+    Returns:
+      float32 `(rows, ...)`: the sum over all devices of this device's piece.
+    """
+    nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
+    hop2_bits = bits if node_bits == "same" else node_bits
+    n = nn * ll
+    if x.shape[0] % n:
+        raise ValueError(
+            f"two_hop_reduce_scatter: leading dimension {x.shape[0]} is not divisible by "
+            f"the {n} devices of the mesh; pad it to a multiple of {n}."
+        )
+    rows_shape = (x.shape[0] // n, *x.shape[1:])
+    if bits is None or hop2_bits is None:
+        partial = x
+        if ll > 1:
+            partial = reduce_scatter_quantized(
+                x, axis_name=local_axis, bits=bits, block_size=block_size, codec=codec
+            )
+            if nn > 1 and hop2_bits is None:
+                partial = partial.astype(x.dtype)
+        if nn == 1:
+            return partial.astype(jnp.float32).reshape(rows_shape)
+        return reduce_scatter_quantized(
+            partial.reshape(nn * rows_shape[0], *rows_shape[1:]),
+            axis_name=node_axis,
+            bits=hop2_bits,
+            block_size=block_size,
+            codec=codec,
+        ).reshape(rows_shape)
+    check_bits(bits, block_size)
+    check_bits(hop2_bits, block_size)
+    blocks = shard_blocks(x, n, block_size)  # (L * Nn, nbp, bs), partition order
+    nbp = blocks.shape[1]
+    if ll > 1:
+        values, scales = _quantize(blocks.reshape(ll, nn * nbp, block_size), bits, codec)
+        rv = lax.all_to_all(values, local_axis, 0, 0)
+        rs = lax.all_to_all(scales, local_axis, 0, 0)
+        if nn == 1:
+            return unblock(codec.dequantize_sum_blocks(rv, rs, bits=bits)[None], rows_shape)
+        v2, s2 = codec.dequantize_sum_quantize_blocks(rv, rs, bits=bits, out_bits=hop2_bits)
+    else:
+        v2, s2 = _quantize(blocks.reshape(nn * nbp, block_size), hop2_bits, codec)
+    rv2 = lax.all_to_all(v2.reshape(nn, nbp, -1), node_axis, 0, 0)
+    rs2 = lax.all_to_all(s2.reshape(nn, nbp), node_axis, 0, 0)
+    return unblock(codec.dequantize_sum_blocks(rv2, rs2, bits=hop2_bits)[None], rows_shape)
+
+
+# --------------------------------------------------------------------------- differentiable
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherSpec:
+    """Static description of one differentiable weight gather (hashable).
+
+    Attributes:
+      hierarchical: two-stage gather through the secondary shard (hpZ) if True, else one
+        flat gather over both axes in node-major order (ZeRO-3).
+      weight_bits: bits on the weight gather (qwZ) or None.
+      weight_block_size: values per block on the weight gather.
+      grad_bits: bits on the gradient reduction (qgZ) or None.
+      grad_block_size: values per block on the gradient reduction.
+      two_hop: reduce gradients in two hops (local, then node) if True, else with one flat
+        reduce-scatter over both axes in node-major order.
+      dtype: dtype of the gathered weight (the compute dtype).
+      codec: block quantization implementation.
+    """
+
+    hierarchical: bool
+    weight_bits: int | None
+    weight_block_size: int
+    grad_bits: int | None
+    grad_block_size: int
+    two_hop: bool
+    dtype: jnp.dtype
+    codec: Codec = XLA_CODEC
+
+
+def _gather_forward(x: jax.Array, spec: GatherSpec) -> jax.Array:
+    xc = x.astype(spec.dtype)
+    if spec.hierarchical:
+        wire = secondary_gather(
+            xc, bits=spec.weight_bits, block_size=spec.weight_block_size, codec=spec.codec
+        )
+        wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
+        return gather_from_secondary(
+            wire, x.shape, spec.dtype, bits=spec.weight_bits, codec=spec.codec
+        )
+    return flat_all_gather(
+        xc, bits=spec.weight_bits, block_size=spec.weight_block_size, codec=spec.codec
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_weight(x: jax.Array, spec: GatherSpec) -> jax.Array:
+    """Gathers a weight shard for compute; its gradient leaves through the matching
+    reduction (qgZ when `spec.grad_bits` is set).
+
+    Args:
+      x: per-device float32 master shard `(rows, ...)` in partition layout.
+      spec: what to send.
+
+    Returns:
+      `(N * rows, ...)` in `spec.dtype`. The cotangent of `x` is the float32 sum over all
+      devices of their gradients for this device's piece.
+    """
+    return _gather_forward(x, spec)
+
+
+def _gather_weight_fwd(x: jax.Array, spec: GatherSpec) -> tuple[jax.Array, None]:
+    return _gather_forward(x, spec), None
+
+
+def _gather_weight_bwd(spec: GatherSpec, _: None, g: jax.Array) -> tuple[jax.Array]:
+    kw = dict(bits=spec.grad_bits, block_size=spec.grad_block_size, codec=spec.codec)
+    if spec.two_hop:
+        return (two_hop_reduce_scatter(g, **kw),)
+    return (flat_reduce_scatter(g, **kw),)
+
+
+gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)
