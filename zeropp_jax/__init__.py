@@ -5,12 +5,15 @@ quantized two-hop gradient reduction (qgZ) over a `('node', 'local')` device mes
 """
 
 from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax.ledger import CommLedger, comm_ledger
 from zeropp_jax.mesh import make_mesh
 from zeropp_jax.quant import QuantizedArray, dequantize_blockwise, quantize_blockwise
 
 __all__ = [
+    "CommLedger",
     "QuantizedArray",
     "ZeroPPConfig",
+    "comm_ledger",
     "dequantize_blockwise",
     "make_mesh",
     "quantize_blockwise",

@@ -1,0 +1,356 @@
+"""Reading HLO text: instructions, computations, call chains, shapes, replica groups, loops.
+
+Pure text helpers for `zeropp_jax.ledger`. They read both the lowered, pre-optimisation
+HLO (`lowered.as_text(dialect='hlo', debug_info=True)`) and compiled HLO
+(`compiled.as_text()`, whose names carry a `%`). Only what the ledger needs is parsed: an
+instruction's name, shape, opcode, operand names, raw attributes, `op_name` and stack frame.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce", "collective-permute")
+
+_CALLED_ATTRS = ("to_apply", "calls", "body", "condition", "true_computation", "false_computation")
+_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_FRAME_RE = re.compile(r"stack_frame_id=(\d+)")
+_MESH_GROUPS_RE = re.compile(r"^mesh\[([^\]]*)\]\s*\{([^}]*)\}$")
+_IOTA_RE = re.compile(r"^\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?$")
+
+Location = tuple[str, str, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class HloInstruction:
+    """One parsed HLO instruction (only what the ledger needs)."""
+
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: str
+    op_name: str
+    frame: int | None
+
+    def attr(self, key: str) -> str | None:
+        """The raw value of `key=...` (a name, a `{...}` or `[...]...` group), or None."""
+        m = re.search(rf"(?:^|[\s,]){re.escape(key)}=", self.attrs)
+        if m is None:
+            return None
+        rest = self.attrs[m.end() :]
+        value = _balanced_prefix(rest)
+        if value.startswith("mesh[") and rest[len(value) :].startswith(" {"):
+            value += " " + _balanced_prefix(rest[len(value) + 1 :])  # mesh[...] {axes}
+        return value
+
+    def called(self) -> tuple[str, ...]:
+        """Names of the computations this instruction calls."""
+        names = [v.lstrip("%") for k in _CALLED_ATTRS if (v := self.attr(k))]
+        branches = self.attr("branch_computations")
+        if branches:
+            names += [b.strip().lstrip("%") for b in branches.strip("{}").split(",") if b.strip()]
+        return tuple(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class HloModule:
+    """Computations of an HLO module and its source-location table.
+
+    Attributes:
+      computations: `{name: instructions}`, in text order.
+      entry: name of the entry computation.
+      locations: `{stack_frame_id: (file, function, line, column)}` of each frame's
+        innermost location.
+    """
+
+    computations: Mapping[str, tuple[HloInstruction, ...]]
+    entry: str
+    locations: Mapping[int, Location]
+
+
+def _balanced_prefix(text: str) -> str:
+    """The leading token of `text`: up to a top-level `,` or space, brackets balanced."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in "{[(":
+            depth += 1
+        elif ch in "}])":
+            depth -= 1
+        elif depth == 0 and ch in ", ":
+            return text[:i]
+        if depth < 0:
+            return text[:i]
+    return text
+
+
+def _split_top(text: str) -> list[str]:
+    """Splits on top-level commas."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "{[(":
+            depth += 1
+        elif ch in "}])":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _closing(text: str, start: int) -> int:
+    """Index of the bracket closing the one at `text[start]`."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "{[(":
+            depth += 1
+        elif text[i] in "}])":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError(f"unbalanced brackets in HLO text: {text[:200]!r}")
+
+
+def parse_instruction(line: str) -> HloInstruction | None:
+    """Parses one HLO instruction line (pre-optimisation or compiled text), else None."""
+    text = line.strip()
+    if text.startswith("ROOT "):
+        text = text[5:]
+    name, sep, rest = text.partition(" = ")
+    if not sep or " " in name:
+        return None
+    if rest.startswith("("):
+        end = _closing(rest, 0)
+        shape, rest = rest[: end + 1], rest[end + 1 :].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    opcode, paren, rest = rest.partition("(")
+    if not paren:
+        return None
+    end = _closing("(" + rest, 0) - 1
+    operands = tuple(o.split()[-1].lstrip("%") for o in _split_top(rest[:end]))
+    attrs = rest[end + 1 :].lstrip(", ")
+    op_name = _OP_NAME_RE.search(attrs)
+    frame = _FRAME_RE.search(attrs)
+    return HloInstruction(
+        name=name.lstrip("%"),
+        shape=shape,
+        opcode=opcode.strip(),
+        operands=operands,
+        attrs=attrs,
+        op_name=op_name.group(1) if op_name else "",
+        frame=int(frame.group(1)) if frame else None,
+    )
+
+
+def parse_hlo_module(text: str) -> HloModule:
+    """Parses HLO text (as from `as_text(dialect='hlo', debug_info=True)` or compiled)."""
+    computations: dict[str, tuple[HloInstruction, ...]] = {}
+    tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
+    entry, current, body, section = "", None, [], None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if current is not None:
+            if line == "}":
+                computations[current] = tuple(body)
+                current, body = None, []
+            elif (ins := parse_instruction(line)) is not None:
+                body.append(ins)
+            continue
+        if not line:
+            section = None
+        elif line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = line
+        elif section is not None:
+            key, _, value = line.partition(" ")
+            tables[section][int(key)] = value
+        elif line.endswith("{") and " = " not in line and not line.startswith("HloModule"):
+            head = line[:-1].strip()
+            is_entry = head.startswith("ENTRY ")
+            current = head.removeprefix("ENTRY ").split()[0].split("(")[0].lstrip("%")
+            entry = current if is_entry else entry
+    if not entry:
+        raise ValueError("parse_hlo_module: no ENTRY computation found in the HLO text.")
+    return HloModule(computations, entry, _locations(tables))
+
+
+def _locations(tables: Mapping[str, Mapping[int, str]]) -> dict[int, Location]:
+    def fields(text: str) -> dict[str, str]:
+        return dict(kv.split("=", 1) for kv in text.strip("{}").split())
+
+    out = {}
+    for frame_id, frame in tables.get("StackFrames", {}).items():
+        loc = fields(tables["FileLocations"][int(fields(frame)["file_location_id"])])
+        out[frame_id] = (
+            tables["FileNames"].get(int(loc["file_name_id"]), "").strip('"'),
+            tables["FunctionNames"].get(int(loc["function_name_id"]), "").strip('"'),
+            int(loc.get("line", 0)),
+            int(loc.get("column", 0)),
+        )
+    return out
+
+
+def hlo_dtype_name(hlo_type: str) -> str:
+    """Numpy dtype name of an HLO element type: `s8` -> `int8`, `bf16` -> `bfloat16`."""
+    if hlo_type == "pred":
+        return "bool"
+    if hlo_type == "bf16":
+        return "bfloat16"
+    for prefix, name in (("s", "int"), ("u", "uint"), ("c", "complex")):
+        if hlo_type.startswith(prefix) and hlo_type[1:].isdigit():
+            return name + hlo_type[1:]
+    if hlo_type.startswith("f") and hlo_type[1:].isdigit():
+        return "float" + hlo_type[1:]
+    m = re.fullmatch(r"f(\d)(e\d+m\d+\w*)", hlo_type)
+    if m:
+        return f"float{m.group(1)}_{m.group(2)}"
+    raise ValueError(f"hlo_dtype_name: unknown HLO element type {hlo_type!r}.")
+
+
+def array_shapes(shape: str) -> list[tuple[str, int]]:
+    """`(dtype name, bytes)` of every array in an HLO shape (tuples flattened; tokens skipped)."""
+    out = []
+    for hlo_type, dims in _ARRAY_RE.findall(shape):
+        if hlo_type == "token":
+            continue
+        dtype = hlo_dtype_name(hlo_type)
+        count = math.prod(int(d) for d in dims.split(",") if d)
+        out.append((dtype, count * jnp.dtype(dtype).itemsize))
+    return out
+
+
+def parse_replica_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """Replica groups from their HLO text.
+
+    Args:
+      text: `{{0,1},{2,3}}`, `{}` (one group of all devices), the iota form
+        `[G,S]<=[d0,d1,...]` / `[G,S]<=[d0,d1,...]T(p0,p1,...)` (iota over the dims,
+        transposed by the permutation, reshaped to G groups of S), or the mesh-axes form
+        of compiled HLO, `mesh['a'=2,'b'=4] {'b'}` (ids iota over the mesh; one group per
+        position on the axes not listed, ordered over the listed axes).
+      num_devices: device count, for the `{}` form.
+
+    Returns:
+      The groups as tuples of logical device ids.
+    """
+    text = text.strip()
+    m = _IOTA_RE.match(text)
+    if m:
+        shape = [int(d) for d in m.group(1).split(",")]
+        dims = [int(d) for d in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(p) for p in m.group(3).split(",")])
+        return tuple(tuple(int(i) for i in g) for g in ids.reshape(shape[0], -1))
+    m = _MESH_GROUPS_RE.match(text)
+    if m:
+        axes = re.findall(r"'([^']*)'=(\d+)", m.group(1))
+        names = [name for name, _ in axes]
+        listed = re.findall(r"'([^']*)'", m.group(2))
+        if any(name not in names for name in listed):
+            raise ValueError(f"parse_replica_groups: {text!r} groups over an unknown axis.")
+        ids = np.arange(math.prod(int(n) for _, n in axes)).reshape([int(n) for _, n in axes])
+        order = [i for i, n in enumerate(names) if n not in listed]
+        order += [names.index(n) for n in listed]
+        size = math.prod(int(axes[names.index(n)][1]) for n in listed)
+        return tuple(tuple(int(i) for i in g) for g in ids.transpose(order).reshape(-1, size))
+    if not (text.startswith("{") and text.endswith("}")):
+        raise ValueError(f"parse_replica_groups: cannot read {text!r}.")
+    inner = text[1:-1].strip()
+    if not inner:
+        return (tuple(range(num_devices)),)
+    groups = re.findall(r"\{([\d,\s]*)\}", inner)
+    return tuple(tuple(int(i) for i in g.split(",") if i.strip()) for g in groups)
+
+
+CallPath = tuple[tuple[HloInstruction, str], ...]
+
+
+def call_paths(module: HloModule) -> dict[str, list[CallPath]]:
+    """Every chain of call sites from the entry to each reachable computation.
+
+    Returns:
+      `{computation: [((call instruction, calling computation), ...), ...]}`, each chain
+      ordered from the entry downwards; the entry maps to one empty chain. Computations
+      only reachable as reducers of collectives are left out.
+    """
+    callers: dict[str, list[tuple[HloInstruction, str]]] = collections.defaultdict(list)
+    for comp, instructions in module.computations.items():
+        for ins in instructions:
+            if ins.opcode.removesuffix("-start") in COLLECTIVE_OPS:
+                continue
+            for callee in ins.called():
+                callers[callee].append((ins, comp))
+    memo: dict[str, list[CallPath]] = {module.entry: [()]}
+
+    def paths_to(comp: str) -> list[CallPath]:
+        if comp not in memo:
+            memo[comp] = [p + (site,) for site in callers.get(comp, ()) for p in paths_to(site[1])]
+        return memo[comp]
+
+    return {comp: paths_to(comp) for comp in module.computations if paths_to(comp)}
+
+
+def scan_trip_count(module: HloModule, loop: HloInstruction, comp: str) -> int | None:
+    """Trip count of a scan-shaped `while` in pre-optimisation HLO, else None.
+
+    Recognises the loops `lax.scan` and static `lax.fori_loop` emit: a counter at tuple
+    index k that starts at a constant s, grows by constant 1 in the body, and is compared
+    `LT` against a constant N in the condition; the count is `max(N - s, 0)`.
+    """
+    by_name = {i.name: i for i in module.computations[comp]}
+    cond = {i.name: i for i in module.computations.get(loop.attr("condition") or "", ())}
+    body = {i.name: i for i in module.computations.get(loop.attr("body") or "", ())}
+    if not cond or not body:
+        return None
+    root_c = list(cond.values())[-1]
+    root_b = list(body.values())[-1]
+    if root_c.opcode != "compare" or root_c.attr("direction") != "LT":
+        return None
+    counter, limit = (cond.get(o) for o in root_c.operands)
+    if counter is None or limit is None or counter.opcode != "get-tuple-element":
+        return None
+    if limit.opcode != "constant":
+        return None
+    k = int(counter.attr("index") or -1)
+    init = by_name.get(loop.operands[0])
+    if init is None or init.opcode != "tuple" or root_b.opcode != "tuple":
+        return None
+    start = by_name.get(init.operands[k])
+    step = body.get(root_b.operands[k])
+    if start is None or start.opcode != "constant" or step is None or step.opcode != "add":
+        return None
+    step_ops = [body.get(o) for o in step.operands]
+    if not any(
+        o is not None and o.opcode == "get-tuple-element" and o.attr("index") == str(k)
+        for o in step_ops
+    ) or not any(
+        o is not None and o.opcode == "constant" and o.operands == ("1",) for o in step_ops
+    ):
+        return None
+    return max(int(limit.operands[0]) - int(start.operands[0]), 0)
+
+
+def known_trip_counts(module: HloModule) -> list[tuple[HloInstruction, int]]:
+    """Each `while` of compiled HLO with the `known_trip_count` in its backend config."""
+    out = []
+    for instructions in module.computations.values():
+        for ins in instructions:
+            config = ins.attr("backend_config") if ins.opcode == "while" else None
+            if not config:
+                continue
+            try:
+                out.append((ins, int(json.loads(config)["known_trip_count"]["n"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out

@@ -1,0 +1,461 @@
+"""`comm_ledger`: the bytes every collective of a jitted step sends, per mesh axis and phase.
+
+The ledger reads the lowered, pre-optimisation HLO of a jitted callable (the program as
+JAX wrote it, before XLA merges, widens or reorders anything) and turns each collective
+into a `CollectiveRecord`: its dtype, its per-device shapes, the mesh axes its replica
+groups span, whether it crosses nodes, its phase (forward or backward) and how often it
+runs (the product of the trip counts of the loops around it).
+
+Bytes sent per device follow one set of definitions (DESIGN.md, "How we measure"), with
+`G` the replica group size and `n` the loop trip count:
+
+  * all-gather: `out * (G - 1) / G * n`
+  * reduce-scatter and all-to-all: `in * (G - 1) / G * n`
+  * all-reduce: `2 * in * (G - 1) / G * n`
+  * collective-permute: `in * n`
+
+How the HLO is read:
+
+  * Device ids in replica groups are logical ids, i.e. positions in the computation's
+    device assignment, which for a computation over a mesh is `mesh.devices.flat`. An id
+    is therefore mapped to its mesh coordinates with `np.unravel_index(id, mesh shape)`,
+    whatever the physical device order of the mesh is.
+  * Phase: a collective is `'backward'` when any op name on its chain of call sites
+    (from the entry computation down to the op itself) names a `transpose(...)`
+    (reverse-mode AD, including a `custom_vjp` backward rule) or a
+    `rematted_computation` (recomputation under `jax.checkpoint`); else `'forward'`.
+    Inside a `shard_map` body op names are relative to the body, hence the call chain.
+  * Loops: the trip count of a `lax.scan` / static `fori_loop` is read from the loop
+    itself in the pre-optimisation HLO (counter from a constant, `+1`, `< N`). Any other
+    `while` takes `known_trip_count` from the compiled HLO, matched by source location
+    and phase. A loop whose count neither gives raises a `ValueError`.
+  * Tuple-shaped (variadic) collectives give one record per element dtype, with the
+    bytes of that dtype's elements summed.
+  * Sizes use numpy item sizes: 4-bit and 2-bit types count one byte per element (what
+    travels unless they are packed into bytes).
+  * Each call path to a computation is counted: a body reached twice counts twice, and
+    every branch of a `conditional` is counted (an upper bound).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from zeropp_jax.hlo_text import (
+    COLLECTIVE_OPS,
+    CallPath,
+    HloInstruction,
+    HloModule,
+    Location,
+    array_shapes,
+    call_paths,
+    known_trip_counts,
+    parse_hlo_module,
+    parse_replica_groups,
+    scan_trip_count,
+)
+
+PHASES = ("forward", "backward")
+
+_BACKWARD_RE = re.compile(r"(?:^|[/(])(?:transpose\(|rematted_computation(?:/|$))")
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective of the step (or one dtype of a variadic collective).
+
+    Attributes:
+      op: `'all-gather'`, `'reduce-scatter'`, `'all-to-all'`, `'all-reduce'` or
+        `'collective-permute'` (async `-start` forms are folded into these).
+      dtype: numpy dtype name of the data moved, e.g. `'int8'`, `'bfloat16'`.
+      in_bytes: operand bytes per device (shard_map shapes are per device).
+      out_bytes: result bytes per device.
+      group_size: devices per replica group (2 for a collective-permute pair).
+      axes: mesh axes the groups span, in mesh order; `()` when no data moves.
+      cross_node: whether a group holds devices of different nodes.
+      phase: `'forward'` or `'backward'`.
+      trip_count: product of the trip counts of the enclosing loops (1 if none).
+      op_name: the op's name with its call sites prefixed, for reading.
+    """
+
+    op: str
+    dtype: str
+    in_bytes: int
+    out_bytes: int
+    group_size: int
+    axes: tuple[str, ...]
+    cross_node: bool
+    phase: str
+    trip_count: int = 1
+    op_name: str = ""
+
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes this collective sends per device over the whole step (all trips)."""
+        return bytes_sent(self.op, self.in_bytes, self.out_bytes, self.group_size) * (
+            self.trip_count
+        )
+
+
+def bytes_sent(op: str, in_bytes: int, out_bytes: int, group_size: int) -> float:
+    """Bytes sent per device by one execution of a collective (DESIGN.md formulas).
+
+    Args:
+      op: one of `COLLECTIVE_OPS`.
+      in_bytes: operand bytes per device.
+      out_bytes: result bytes per device.
+      group_size: replica group size G.
+
+    Returns:
+      all-gather `out*(G-1)/G`; reduce-scatter, all-to-all `in*(G-1)/G`; all-reduce
+      `2*in*(G-1)/G`; collective-permute `in`.
+    """
+    share = (group_size - 1) / group_size
+    if op == "all-gather":
+        return out_bytes * share
+    if op in ("reduce-scatter", "all-to-all"):
+        return in_bytes * share
+    if op == "all-reduce":
+        return 2 * in_bytes * share
+    if op == "collective-permute":
+        return float(in_bytes)
+    raise ValueError(f"bytes_sent: op={op!r}; expected one of {COLLECTIVE_OPS}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommLedger:
+    """The collectives of one jitted step and the bytes they send per device.
+
+    Attributes:
+      records: one `CollectiveRecord` per collective (per dtype, per call path).
+      param_count: number of model parameters, or None when unknown.
+      model_bytes: M = `2 * param_count` (model size in 16-bit bytes), or None.
+    """
+
+    records: tuple[CollectiveRecord, ...]
+    param_count: int | None = None
+
+    @property
+    def model_bytes(self) -> int | None:
+        """M in bytes (`2 * param_count`), or None without a parameter count."""
+        return None if self.param_count is None else 2 * self.param_count
+
+    @property
+    def total_bytes(self) -> float:
+        """Bytes sent per device by all collectives of the step."""
+        return sum(r.bytes_sent for r in self.records)
+
+    @property
+    def cross_node_bytes(self) -> float:
+        """Bytes sent per device by collectives whose groups span nodes."""
+        return sum(r.bytes_sent for r in self.records if r.cross_node)
+
+    @property
+    def intra_node_bytes(self) -> float:
+        """Bytes sent per device by collectives that stay inside a node."""
+        return sum(r.bytes_sent for r in self.records if not r.cross_node)
+
+    def bytes_by(self, *keys: str) -> dict[tuple[Any, ...], float]:
+        """Sums bytes sent per device, grouped by record attributes.
+
+        Args:
+          *keys: `CollectiveRecord` attribute names, e.g. `('phase', 'op', 'axes')`.
+
+        Returns:
+          `{tuple of attribute values: bytes}`, e.g. `{('backward', 'all-gather',
+          ('local',)): 4096.0, ...}`.
+        """
+        valid = [f.name for f in dataclasses.fields(CollectiveRecord)]
+        for key in keys:
+            if key not in valid:
+                raise ValueError(f"bytes_by: unknown key {key!r}; expected some of {valid}.")
+        totals: dict[tuple[Any, ...], float] = collections.defaultdict(float)
+        for r in self.records:
+            totals[tuple(getattr(r, k) for k in keys)] += r.bytes_sent
+        return dict(totals)
+
+    def in_units_of_M(self, num_bytes: float) -> float:  # noqa: N802 (M is the paper's name)
+        """`num_bytes / M`. Raises a ValueError when the parameter count is unknown."""
+        if self.model_bytes is None:
+            raise ValueError(
+                "in_units_of_M: the ledger has no parameter count; pass "
+                "comm_ledger(..., param_count=<number of model parameters>)."
+            )
+        return num_bytes / self.model_bytes
+
+    def to_markdown(self) -> str:
+        """A table with one row per (phase, op, axes, dtype), then total / cross / intra rows.
+
+        Bytes are per device for one step; the M column appears only with a parameter count.
+        """
+        rows: dict[tuple[Any, ...], float] = collections.defaultdict(float)
+        for r in self.records:
+            rows[(r.phase, r.op, r.axes, r.dtype, r.cross_node)] += r.bytes_sent
+
+        def order(key: tuple[Any, ...]) -> tuple[Any, ...]:
+            phase, op, axes, dtype, _ = key
+            return PHASES.index(phase), COLLECTIVE_OPS.index(op), axes, dtype
+
+        with_m = self.model_bytes is not None
+        head = ["phase", "op", "axes", "dtype", "cross-node", "bytes/device"]
+        head += ["M"] if with_m else []
+        lines = [
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * 5 + "---:|" + ("---:|" if with_m else ""),
+        ]
+
+        def line(cells: list[str], num_bytes: float) -> str:
+            cells = cells + [_fmt_bytes(num_bytes)]
+            if with_m:
+                cells.append(f"{self.in_units_of_M(num_bytes):.4f}")
+            return "| " + " | ".join(cells) + " |"
+
+        for key in sorted(rows, key=order):
+            phase, op, axes, dtype, cross = key
+            axes_text = "+".join(axes) if axes else "-"
+            lines.append(line([phase, op, axes_text, dtype, "yes" if cross else "no"], rows[key]))
+        for label, value in (
+            ("total", self.total_bytes),
+            ("cross-node", self.cross_node_bytes),
+            ("intra-node", self.intra_node_bytes),
+        ):
+            lines.append(line([f"**{label}**", "", "", "", ""], value))
+        return "\n".join(lines) + "\n"
+
+
+def _fmt_bytes(num_bytes: float) -> str:
+    return f"{num_bytes:,.0f}" if float(num_bytes).is_integer() else f"{num_bytes:,.2f}"
+
+
+# ------------------------------------------------------------------- mesh semantics
+
+
+def device_coords(mesh: Mesh, ids: Iterable[int]) -> dict[int, tuple[int, ...]]:
+    """Mesh coordinates of logical device ids (positions in `mesh.devices.flat`)."""
+    shape = mesh.devices.shape
+    out = {}
+    for i in ids:
+        if not 0 <= i < mesh.devices.size:
+            raise ValueError(
+                f"device id {i} in the HLO is outside the mesh of {mesh.devices.size} devices "
+                f"{dict(mesh.shape)}; pass the mesh the step runs on as mesh=."
+            )
+        out[i] = tuple(int(c) for c in np.unravel_index(i, shape))
+    return out
+
+
+def group_axes(mesh: Mesh, groups: Sequence[Sequence[int]]) -> tuple[str, ...]:
+    """Mesh axes along which members of some group differ, in mesh order."""
+    coords = device_coords(mesh, {i for g in groups for i in g})
+    varying = set()
+    for g in groups:
+        for axis in range(len(mesh.axis_names)):
+            if len({coords[i][axis] for i in g}) > 1:
+                varying.add(axis)
+    return tuple(name for axis, name in enumerate(mesh.axis_names) if axis in varying)
+
+
+def node_of(mesh: Mesh) -> np.ndarray:
+    """Node index per logical id: the `node` coordinate, else the device's process index."""
+    if "node" in mesh.axis_names:
+        axis = mesh.axis_names.index("node")
+        return np.indices(mesh.devices.shape)[axis].reshape(-1)
+    return np.array([d.process_index for d in mesh.devices.flat])
+
+
+def crosses_nodes(mesh: Mesh, groups: Sequence[Sequence[int]]) -> bool:
+    """Whether any group holds devices of different nodes."""
+    device_coords(mesh, {i for g in groups for i in g})  # validates the ids
+    nodes = node_of(mesh)
+    return any(len({int(nodes[i]) for i in g}) > 1 for g in groups)
+
+
+# ------------------------------------------------------------------ phase and loops
+
+
+def phase_of(op_names: Iterable[str]) -> str:
+    """`'backward'` if any name shows a `transpose(...)` or a remat recomputation."""
+    return "backward" if any(_BACKWARD_RE.search(n) for n in op_names) else "forward"
+
+
+def _path_names(path: CallPath) -> list[str]:
+    """Op-name prefixes contributed by a call chain (while ops add none: their bodies'
+    op names already start with `while/body/`)."""
+    return [ins.op_name for ins, _ in path if ins.opcode != "while" and ins.op_name]
+
+
+LoopKey = tuple[Location | None, str]
+
+
+def compiled_trip_counts(module: HloModule) -> dict[LoopKey, set[int]]:
+    """`known_trip_count` of each `while` in compiled HLO, keyed by (source location, phase)."""
+    out: dict[LoopKey, set[int]] = collections.defaultdict(set)
+    for ins, count in known_trip_counts(module):
+        out[(module.locations.get(ins.frame), phase_of([ins.op_name]))].add(count)
+    return dict(out)
+
+
+# ------------------------------------------------------------------------- the ledger
+
+
+def _arg_meshes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Iterator[Mesh]:
+    """Meshes of the argument leaves that are `jax.Array`s with a `NamedSharding`."""
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding):
+            yield leaf.sharding.mesh
+
+
+def _records_of(
+    ins: HloInstruction,
+    shapes: Mapping[str, str],
+    mesh: Mesh,
+) -> Iterator[tuple[str, str, int, int, int, tuple[str, ...], bool]]:
+    """`(op, dtype, in, out, G, axes, cross)` per dtype of one collective, one execution.
+
+    Args:
+      ins: the collective.
+      shapes: `{instruction name: HLO shape}` of its computation (for operand sizes).
+      mesh: the mesh the step runs on.
+    """
+    op = ins.opcode.removesuffix("-start")
+    ins_by_dtype: dict[str, int] = collections.defaultdict(int)
+    for operand in ins.operands:
+        if operand not in shapes:
+            raise ValueError(f"comm_ledger: operand {operand!r} of {ins.name!r} not found.")
+        for dtype, size in array_shapes(shapes[operand]):
+            ins_by_dtype[dtype] += size
+    if op == "collective-permute":
+        pairs = parse_replica_groups(ins.attr("source_target_pairs") or "{}", 0)
+        groups = [p for p in pairs if len(set(p)) > 1]
+        size = 2 if groups else 1
+    else:
+        groups = parse_replica_groups(ins.attr("replica_groups") or "{}", mesh.devices.size)
+        size = len(groups[0]) if groups else 1
+    axes = group_axes(mesh, groups)
+    cross = crosses_nodes(mesh, groups)
+    outs_by_dtype: dict[str, int] = collections.defaultdict(int)
+    if ins.opcode.endswith("-start"):  # async results bundle operands; derive outputs
+        scale = {"all-gather": size, "reduce-scatter": 1 / size}.get(op, 1)
+        outs_by_dtype.update({d: int(b * scale) for d, b in ins_by_dtype.items()})
+    else:
+        for dtype, nbytes in array_shapes(ins.shape):
+            outs_by_dtype[dtype] += nbytes
+    for dtype in sorted(set(ins_by_dtype) | set(outs_by_dtype)):
+        yield op, dtype, ins_by_dtype[dtype], outs_by_dtype[dtype], size, axes, cross
+
+
+def comm_ledger(
+    fn: Any,
+    *args: Any,
+    mesh: Mesh | None = None,
+    param_count: int | None = None,
+    **kwargs: Any,
+) -> CommLedger:
+    """Lowers `fn(*args, **kwargs)` and accounts for every collective it runs.
+
+    Args:
+      fn: a jitted callable (has `.lower`), e.g. the result of `zpp.shard` or `jax.jit`.
+      *args: its positional arguments (arrays, pytrees, or `jax.ShapeDtypeStruct`s).
+      mesh: the mesh the step runs on; default: the mesh of the first argument leaf that
+        is a `jax.Array` with a `NamedSharding`.
+      param_count: number of model parameters, defining M = 2 * param_count bytes;
+        default: `args[0].param_count` when that is an int, else unknown.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      A `CommLedger` of per-device bytes for one call of `fn`.
+
+    Raises:
+      TypeError: when `fn` cannot be lowered.
+      ValueError: when no mesh is given or found, when the HLO does not fit the mesh,
+        or when a loop around a collective has no known trip count.
+    """
+    if not hasattr(fn, "lower"):
+        raise TypeError(f"comm_ledger: fn={fn!r} has no .lower; pass a jax.jit-wrapped callable.")
+    if mesh is None:
+        mesh = next(_arg_meshes(args, kwargs), None)
+        if mesh is None:
+            raise ValueError(
+                "comm_ledger: no argument is a jax.Array with a NamedSharding, so the mesh is "
+                "unknown; pass mesh=<the jax.sharding.Mesh the step runs on>."
+            )
+    if param_count is None and args:
+        found = getattr(args[0], "param_count", None)
+        if isinstance(found, int) and not isinstance(found, bool):
+            param_count = found
+    if param_count is not None and (
+        isinstance(param_count, bool) or not isinstance(param_count, int) or param_count < 1
+    ):
+        raise ValueError(f"comm_ledger: param_count={param_count!r}; expected a positive int.")
+
+    for leaf_mesh in _arg_meshes(args, kwargs):
+        if list(leaf_mesh.devices.flat) != list(mesh.devices.flat):
+            raise ValueError(
+                "comm_ledger: mesh= orders its devices differently from the mesh of the "
+                f"arguments ({mesh.devices.tolist()} vs {leaf_mesh.devices.tolist()}); the "
+                "HLO's device ids are positions in the step's own mesh, so pass that one."
+            )
+
+    lowered = fn.lower(*args, **kwargs)
+    module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
+    paths = call_paths(module)
+    compiled: dict[LoopKey, set[int]] | None = None
+
+    def trip_count(loop: HloInstruction, comp: str, phase: str) -> int:
+        nonlocal compiled
+        count = scan_trip_count(module, loop, comp)
+        if count is not None:
+            return count
+        if compiled is None:
+            compiled = compiled_trip_counts(parse_hlo_module(lowered.compile().as_text()))
+        where = module.locations.get(loop.frame)
+        counts = compiled.get((where, phase), set())
+        if len(counts) != 1:
+            raise ValueError(
+                f"comm_ledger: the loop {loop.name!r} at {where} holds a collective but its "
+                f"trip count is unknown (compiled HLO gives {sorted(counts) or 'none'}); "
+                "write it as lax.scan or lax.fori_loop with static bounds."
+            )
+        return next(iter(counts))
+
+    records = []
+    for comp, instructions in module.computations.items():
+        shapes = {i.name: i.shape for i in instructions}
+        for ins in instructions:
+            if ins.opcode.removesuffix("-start") not in COLLECTIVE_OPS:
+                continue
+            for path in paths.get(comp, ()):
+                names = [*_path_names(path), ins.op_name]
+                phase = phase_of(names)
+                trips = 1
+                for depth, (call, caller) in enumerate(path):
+                    if call.opcode == "while":
+                        loop_names = [*_path_names(path[:depth]), call.op_name]
+                        trips *= trip_count(call, caller, phase_of(loop_names))
+                for op, dtype, n_in, n_out, size, axes, cross in _records_of(ins, shapes, mesh):
+                    records.append(
+                        CollectiveRecord(
+                            op=op,
+                            dtype=dtype,
+                            in_bytes=n_in,
+                            out_bytes=n_out,
+                            group_size=size,
+                            axes=axes,
+                            cross_node=cross,
+                            phase=phase,
+                            trip_count=trips,
+                            op_name="/".join(n for n in names if n),
+                        )
+                    )
+    return CommLedger(records=tuple(records), param_count=param_count)
