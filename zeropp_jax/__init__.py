@@ -5,18 +5,23 @@ quantized two-hop gradient reduction (qgZ) over a `('node', 'local')` device mes
 """
 
 from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax.engine import ShardedStep, TrainState, gather_params, shard
 from zeropp_jax.ledger import CommLedger, comm_ledger
 from zeropp_jax.mesh import make_mesh
 from zeropp_jax.quant import QuantizedArray, dequantize_blockwise, quantize_blockwise
 
 __all__ = [
     "CommLedger",
+    "ShardedStep",
+    "TrainState",
     "QuantizedArray",
     "ZeroPPConfig",
     "comm_ledger",
     "dequantize_blockwise",
+    "gather_params",
     "make_mesh",
     "quantize_blockwise",
+    "shard",
 ]
 
 __version__ = "0.1.0"
