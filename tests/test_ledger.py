@@ -81,6 +81,10 @@ def test_parse_replica_groups_explicit_empty_and_iota():
     )
     (everyone,) = parse_replica_groups("mesh['node'=2,'local'=4] {'node','local'}", 8)
     assert sorted(everyone) == list(range(8))
+    # With device ids: iota(8) as 2 x 4, transposed, flattened = 0,4,1,5,2,6,3,7 at mesh
+    # positions 0..7 of a 4 x 2 mesh; groups over 'b' are the mesh rows.
+    text = "mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'b'}"
+    assert parse_replica_groups(text, 8) == ((0, 4), (1, 5), (2, 6), (3, 7))
 
 
 # ------------------------------------------------------------------- mesh axes

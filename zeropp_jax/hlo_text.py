@@ -24,7 +24,9 @@ _CALLED_ATTRS = ("to_apply", "calls", "body", "condition", "true_computation", "
 _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _FRAME_RE = re.compile(r"stack_frame_id=(\d+)")
-_MESH_GROUPS_RE = re.compile(r"^mesh\[([^\]]*)\]\s*\{([^}]*)\}$")
+_MESH_GROUPS_RE = re.compile(
+    r"^mesh\[([^\]]*)\](?:,\s*device_ids=\(((?:[^()]|\([^()]*\))*)\))?\s*\{([^}]*)\}$"
+)
 _IOTA_RE = re.compile(r"^\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?$")
 
 Location = tuple[str, str, int, int]
@@ -48,10 +50,10 @@ class HloInstruction:
         if m is None:
             return None
         rest = self.attrs[m.end() :]
-        value = _balanced_prefix(rest)
-        if value.startswith("mesh[") and rest[len(value) :].startswith(" {"):
-            value += " " + _balanced_prefix(rest[len(value) + 1 :])  # mesh[...] {axes}
-        return value
+        mesh_form = _MESH_GROUPS_RE.pattern[1:-1]  # mesh[...], device_ids=(...) {axes}
+        if rest.startswith("mesh[") and (found := re.match(mesh_form, rest)):
+            return found.group(0)
+        return _balanced_prefix(rest)
 
     def called(self) -> tuple[str, ...]:
         """Names of the computations this instruction calls."""
@@ -236,8 +238,9 @@ def parse_replica_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], 
       text: `{{0,1},{2,3}}`, `{}` (one group of all devices), the iota form
         `[G,S]<=[d0,d1,...]` / `[G,S]<=[d0,d1,...]T(p0,p1,...)` (iota over the dims,
         transposed by the permutation, reshaped to G groups of S), or the mesh-axes form
-        of compiled HLO, `mesh['a'=2,'b'=4] {'b'}` (ids iota over the mesh; one group per
-        position on the axes not listed, ordered over the listed axes).
+        of compiled HLO, `mesh['a'=2,'b'=4] {'b'}` (one group per position on the axes
+        not listed, ordered over the listed axes; the id at a mesh position is the
+        position itself, or with `, device_ids=([2,4]T(1,0))` the entry of that iota).
       num_devices: device count, for the `{}` form.
 
     Returns:
@@ -254,16 +257,18 @@ def parse_replica_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], 
         return tuple(tuple(int(i) for i in g) for g in ids.reshape(shape[0], -1))
     m = _MESH_GROUPS_RE.match(text)
     if m:
-        axes = re.findall(r"'([^']*)'=(\d+)", m.group(1))
+        axes = [(name, int(n)) for name, n in re.findall(r"'([^']*)'=(\d+)", m.group(1))]
         names = [name for name, _ in axes]
-        listed = re.findall(r"'([^']*)'", m.group(2))
+        listed = re.findall(r"'([^']*)'", m.group(3))
         if any(name not in names for name in listed):
             raise ValueError(f"parse_replica_groups: {text!r} groups over an unknown axis.")
-        ids = np.arange(math.prod(int(n) for _, n in axes)).reshape([int(n) for _, n in axes])
+        size = math.prod(n for _, n in axes)
+        ids = np.arange(size) if m.group(2) is None else _device_ids(m.group(2), size)
+        ids = ids.reshape([n for _, n in axes])
         order = [i for i, n in enumerate(names) if n not in listed]
         order += [names.index(n) for n in listed]
-        size = math.prod(int(axes[names.index(n)][1]) for n in listed)
-        return tuple(tuple(int(i) for i in g) for g in ids.transpose(order).reshape(-1, size))
+        group = math.prod(axes[names.index(n)][1] for n in listed)
+        return tuple(tuple(int(i) for i in g) for g in ids.transpose(order).reshape(-1, group))
     if not (text.startswith("{") and text.endswith("}")):
         raise ValueError(f"parse_replica_groups: cannot read {text!r}.")
     inner = text[1:-1].strip()
@@ -271,6 +276,20 @@ def parse_replica_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], 
         return (tuple(range(num_devices)),)
     groups = re.findall(r"\{([\d,\s]*)\}", inner)
     return tuple(tuple(int(i) for i in g.split(",") if i.strip()) for g in groups)
+
+
+def _device_ids(text: str, size: int) -> np.ndarray:
+    """Device ids of `device_ids=(...)`: an iota `[d0,d1]T(p0,p1)` or a plain id list."""
+    m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+    if m:
+        ids = np.arange(size).reshape([int(d) for d in m.group(1).split(",")])
+        if m.group(2):
+            ids = ids.transpose([int(p) for p in m.group(2).split(",")])
+        return ids.reshape(-1)
+    ids = np.array([int(i) for i in text.replace("[", "").replace("]", "").split(",")])
+    if ids.size != size:
+        raise ValueError(f"parse_replica_groups: device_ids=({text}) do not fill the mesh.")
+    return ids
 
 
 CallPath = tuple[tuple[HloInstruction, str], ...]
