@@ -114,3 +114,76 @@ def test_global_batch_assembly(corpus):
     arr = data.make_global_batch(local, sharding, 16)
     assert arr.shape == (16, 17) and arr.sharding == sharding
     np.testing.assert_array_equal(np.asarray(arr), batch)
+
+
+# --- CLI -------------------------------------------------------------------------------
+
+TINY_FLAGS = [
+    "--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--seq-len", "16",
+    "--batch", "8", "--max-corpus-mb", "2", "--eval-batches", "1", "--eval-every", "0",
+    "--no-progress",
+]  # fmt: skip
+
+
+def _metrics(out):
+    import json
+
+    with open(out / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch", "12"], "--batch 12 is not divisible by the 8 devices"),
+        (["--nodes", "3"], "num_nodes=3 does not divide the 8 devices"),
+        (["--nodes", "2", "--local", "2"], "the product must equal the device count"),
+        (["--weight-bits", "3"], "invalid bit width '3'"),
+        (["--n-heads", "3"], "--n-heads 3 does not divide --d-model 32"),
+        (["--resume"], "run.json not found"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_cli_bad_flags_give_one_line_and_exit_2(flags, message, capsys, tmp_path):
+    from zeropp_jax.train import cli
+
+    argv = [*TINY_FLAGS, "--out", str(tmp_path / "run"), *flags]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("zeropp-train: error: "), err
+    assert message in err
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("zeropp_jax"), "save_checkpoint"), reason="checkpointing not landed"
+)
+def test_cli_trains_checkpoints_and_resumes_at_the_same_data_position(tmp_path, capsys):
+    import shutil
+
+    from zeropp_jax.train import cli
+
+    full = tmp_path / "full"
+    assert cli.main([*TINY_FLAGS, "--steps", "4", "--save-every", "2", "--out", str(full)]) == 0
+    printed = capsys.readouterr().out
+    assert "val loss" in printed and "ZeRO-3" in printed  # summary with the ledger
+    assert (full / "checkpoints" / "step_2").is_dir()
+    assert (full / "checkpoints" / "step_4").is_dir()
+    assert (full / "summary.json").is_file()
+    steps = [r for r in _metrics(full) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) for r in steps)
+
+    # A run interrupted after step 2, then resumed.
+    cut = tmp_path / "cut"
+    (cut / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / "run.json", cut / "run.json")
+    shutil.copytree(full / "checkpoints" / "step_2", cut / "checkpoints" / "step_2")
+    argv = [*TINY_FLAGS, "--steps", "4", "--out", str(cut), "--resume", "--no-ledger"]
+    assert cli.main(argv) == 0
+    resumed = [r for r in _metrics(cut) if "loss" in r]
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(steps[2:], resumed, strict=True):
+        assert a["data_crc32"] == b["data_crc32"]  # the same batches
+        assert a["loss"] == b["loss"]  # from the same parameters and optimizer state

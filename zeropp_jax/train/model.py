@@ -149,4 +149,4 @@ def loss_fn(apply_fn, params, batch: jax.Array, *, train: bool = False) -> jax.A
 def init_params(config: GPTConfig, seed: int) -> dict:
     """Float32 parameters of a `GPT(config)` from an integer seed."""
     tokens = jnp.zeros((1, config.seq_len), dtype=jnp.int32)
-    return GPT(config).init(jax.random.key(seed), tokens)["params"]
+    return jax.jit(GPT(config).init)(jax.random.key(seed), tokens)["params"]

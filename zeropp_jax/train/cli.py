@@ -1,0 +1,758 @@
+"""`zeropp-train`: train a byte-level GPT on the Python standard library with ZeRO++.
+
+With no arguments it runs an embedded default: on a machine without an accelerator, 8
+emulated CPU devices as a 2 x 4 `('node', 'local')` mesh, the full ZeRO++ configuration,
+and a model and step count that finish in a few minutes on a small CPU while the loss falls
+well below the unigram entropy of the corpus. At the end it prints the final losses, the
+throughput and the communication ledger of one step against plain ZeRO-3.
+
+Run `zeropp-train --help` for the flags. Under `jax.distributed` (`--coordinator`,
+`--num-processes`, `--process-id`, or `--distributed` to auto-detect) each process is one
+node of the mesh and feeds only its own rows of every batch.
+
+Outputs under `--out`: `run.json` (the flags), `metrics.jsonl` (one line per step and per
+evaluation), `summary.json`, and `checkpoints/step_<n>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+PROG = "zeropp-train"
+
+# Arguments that fix the model and the data order: a resumed run must repeat them.
+_RUN_IDENTITY = ("d_model", "n_layers", "n_heads", "seq_len", "batch", "seed", "max_corpus_mb")
+_ACCELERATOR_PLUGINS = (
+    "jax_cuda13_plugin",
+    "jax_cuda12_plugin",
+    "jax_rocm7_plugin",
+    "jax_rocm60_plugin",
+    "libtpu",
+)
+
+
+class UsageError(Exception):
+    """A bad flag or flag combination: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage block
+        raise UsageError(message)
+
+
+def _bits(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    if text in ("8", "4", "2"):
+        return int(text)
+    raise argparse.ArgumentTypeError(f"invalid bit width {text!r} (choose from 8, 4, 2, none)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `zeropp-train`."""
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    g = p.add_argument_group("model")
+    g.add_argument("--d-model", type=_positive, default=128, help="residual width (128)")
+    g.add_argument("--n-layers", type=_positive, default=4, help="transformer blocks (4)")
+    g.add_argument("--n-heads", type=_positive, default=4, help="attention heads (4)")
+    g.add_argument("--seq-len", type=_positive, default=128, help="tokens per sequence (128)")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=_positive, default=300, help="optimizer steps (300)")
+    g.add_argument("--batch", type=_positive, default=32, help="global batch, sequences (32)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
+    g.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=None,
+        help="warmup steps (default: min(100, steps // 10))",
+    )
+    g.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=0.1,
+        help="final learning rate as a fraction of --lr (0.1)",
+    )
+    g.add_argument(
+        "--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (0.1)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="parameter init and data order (0)")
+    g.add_argument(
+        "--eval-every",
+        type=_non_negative,
+        default=100,
+        help="steps between validation passes, 0 = only at the end (100)",
+    )
+    g.add_argument(
+        "--eval-batches", type=_positive, default=8, help="validation batches per pass (8)"
+    )
+    g.add_argument(
+        "--max-corpus-mb",
+        type=_positive,
+        default=16,
+        help="MB of stdlib source read at start-up (16)",
+    )
+
+    g = p.add_argument_group("mesh and ZeRO++")
+    g.add_argument(
+        "--nodes",
+        type=_positive,
+        default=None,
+        help="size of the 'node' axis (default: 2 on emulated CPU devices, "
+        "else the number of processes)",
+    )
+    g.add_argument(
+        "--local",
+        type=_positive,
+        default=None,
+        help="size of the 'local' axis (default: devices / nodes)",
+    )
+    g.add_argument(
+        "--weight-bits",
+        type=_bits,
+        default=8,
+        help="qwZ: bits on the weight all-gathers, 8/4/2/none (8)",
+    )
+    g.add_argument(
+        "--grad-bits",
+        type=_bits,
+        default=4,
+        help="qgZ: bits on the gradient reduction, 8/4/2/none (4)",
+    )
+    g.add_argument(
+        "--no-hierarchical",
+        action="store_true",
+        help="hpZ off: no secondary weight shard inside each node",
+    )
+    g.add_argument(
+        "--weight-block-size",
+        type=_positive,
+        default=256,
+        help="values per quantization block on weight gathers (256)",
+    )
+    g.add_argument(
+        "--grad-block-size",
+        type=_positive,
+        default=256,
+        help="values per quantization block on the gradient reduction (256)",
+    )
+    g.add_argument(
+        "--compute-dtype",
+        choices=("bfloat16", "float32", "float16"),
+        default="bfloat16",
+        help="dtype the model runs in (bfloat16)",
+    )
+    g.add_argument(
+        "--kernels",
+        choices=("auto", "xla", "pallas"),
+        default="auto",
+        help="quantizer implementation (auto: Pallas on GPU, XLA elsewhere)",
+    )
+    g.add_argument(
+        "--zero3",
+        action="store_true",
+        help="plain ZeRO-3 baseline: no quantization, no secondary shard "
+        "(overrides --weight-bits, --grad-bits, --no-hierarchical)",
+    )
+
+    g = p.add_argument_group("output and checkpoints")
+    g.add_argument("--out", default=None, help="output directory (default: runs/<--name>)")
+    g.add_argument(
+        "--name",
+        default=None,
+        help="run name under runs/ when --out is not given (default: a timestamp)",
+    )
+    g.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+    )
+    g.add_argument(
+        "--save-every",
+        type=_non_negative,
+        default=100,
+        help="steps between checkpoints, 0 = only at the end (100)",
+    )
+    g.add_argument(
+        "--no-ledger", action="store_true", help="skip the communication ledger in the summary"
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    g = p.add_argument_group("multi-host (jax.distributed)")
+    g.add_argument("--coordinator", default=None, help="coordinator address host:port")
+    g.add_argument("--num-processes", type=_positive, default=None, help="processes in the job")
+    g.add_argument("--process-id", type=_non_negative, default=None, help="this process's id")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() with cluster auto-detection",
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses and checks flags that need no devices. Raises `UsageError`."""
+    args = build_parser().parse_args(argv)
+    if args.zero3:
+        args.weight_bits, args.grad_bits, args.no_hierarchical = None, None, True
+    if args.d_model % args.n_heads:
+        raise UsageError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
+    if not args.lr > 0 or not math.isfinite(args.lr):
+        raise UsageError(f"--lr must be a positive number, got {args.lr}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise UsageError(f"--min-lr-ratio must lie in [0, 1], got {args.min_lr_ratio}")
+    if args.resume and args.out is None:
+        raise UsageError("--resume needs --out DIR, the directory of the run to continue")
+    multi = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in multi) and any(v is None for v in multi):
+        raise UsageError("--coordinator, --num-processes and --process-id go together")
+    if args.num_processes is not None and args.process_id >= args.num_processes:
+        raise UsageError(
+            f"--process-id {args.process_id} must be below --num-processes {args.num_processes}"
+        )
+    if args.distributed and args.coordinator is not None:
+        raise UsageError("give either --distributed (auto-detect) or --coordinator, not both")
+    return args
+
+
+# ------------------------------------------------------------------------ platform set-up
+
+
+def _will_run_on_cpu() -> bool:
+    """Whether JAX's default backend will be the CPU (decided without initialising it)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip().lower() == "cpu"
+    return not any(importlib.util.find_spec(name) for name in _ACCELERATOR_PLUGINS)
+
+
+def configure_host_devices(args: argparse.Namespace) -> None:
+    """Emulates several CPU devices when the job will run on the CPU.
+
+    Sets `--xla_force_host_platform_device_count` in XLA_FLAGS (8 per job by default, or
+    `--local` per process) unless the user set it. Must run before JAX initialises its
+    backends; it changes nothing once they are up.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags or not _will_run_on_cpu():
+        return
+    processes = args.num_processes or 1
+    if processes > 1:
+        count = args.local or max(1, 8 // processes)
+    elif args.nodes is not None and args.local is not None:
+        count = args.nodes * args.local
+    else:
+        count = 8
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    """Starts `jax.distributed` when the flags ask for it."""
+    import jax
+
+    if args.coordinator is not None:
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            heartbeat_timeout_seconds=30,
+        )
+    elif args.distributed:
+        jax.distributed.initialize()
+
+
+# ------------------------------------------------------------------------------- pieces
+
+
+def zeropp_config(args: argparse.Namespace):
+    """The `ZeroPPConfig` the flags describe."""
+    import zeropp_jax as zpp
+
+    return zpp.ZeroPPConfig(
+        weight_bits=args.weight_bits,
+        weight_block_size=args.weight_block_size,
+        hierarchical=not args.no_hierarchical,
+        grad_bits=args.grad_bits,
+        grad_block_size=args.grad_block_size,
+        compute_dtype=args.compute_dtype,
+        kernels=args.kernels,
+    )
+
+
+def make_mesh(args: argparse.Namespace):
+    """The `('node', 'local')` mesh the flags describe (defaults: see `--nodes`)."""
+    import jax
+
+    import zeropp_jax as zpp
+
+    nodes, local = args.nodes, args.local
+    if jax.process_count() > 1:
+        if local is None and nodes is None:
+            nodes = jax.process_count()
+    elif nodes is None and local is None and jax.default_backend() == "cpu":
+        n = jax.device_count()
+        nodes = 2 if n % 2 == 0 else 1
+    return zpp.make_mesh(num_nodes=nodes, local_size=local)
+
+
+def make_optimizer(args: argparse.Namespace):
+    """AdamW with linear warmup and cosine decay, global-norm clipping at 1.0 and weight
+    decay on matrices only (ndim > 1)."""
+    import jax
+    import optax
+
+    warmup = min(100, args.steps // 10) if args.warmup is None else args.warmup
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=args.lr,
+        warmup_steps=min(warmup, args.steps),
+        decay_steps=args.steps,
+        end_value=args.lr * args.min_lr_ratio,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(
+            schedule,
+            b1=0.9,
+            b2=0.95,
+            weight_decay=args.weight_decay,
+            mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params),
+        ),
+    )
+
+
+def train_step(state, batch):
+    """One optimizer step: ordinary Flax code written for a flax TrainState."""
+    import jax
+
+    from zeropp_jax.train.model import cross_entropy
+
+    def loss(params):
+        logits = state.apply_fn({"params": params}, batch[:, :-1], train=True)
+        return cross_entropy(logits, batch[:, 1:])
+
+    value, grads = jax.value_and_grad(loss)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": value}
+
+
+def eval_loss(state, batch):
+    """Validation loss of one batch (no update)."""
+    from zeropp_jax.train.model import cross_entropy
+
+    logits = state.apply_fn({"params": state.params}, batch[:, :-1])
+    return cross_entropy(logits, batch[:, 1:])
+
+
+def checkpoint_dir(out: str) -> str:
+    return os.path.join(out, "checkpoints")
+
+
+def latest_checkpoint(out: str) -> tuple[int, str] | None:
+    """`(step, path)` of the newest `checkpoints/step_<n>` under `out`, or None."""
+    root = checkpoint_dir(out)
+    if not os.path.isdir(root):
+        return None
+    found = []
+    for name in os.listdir(root):
+        if name.startswith("step_") and name[5:].isdigit():
+            found.append((int(name[5:]), os.path.join(root, name)))
+    return max(found) if found else None
+
+
+def _fingerprint(rows) -> int:
+    """CRC-32 of a batch's bytes: a cheap record of the data position in metrics.jsonl."""
+    import numpy as np
+
+    return zlib.crc32(np.ascontiguousarray(rows).tobytes())
+
+
+def _default_out(args: argparse.Namespace) -> str:
+    import jax
+    import numpy as np
+
+    if args.name:
+        return os.path.join("runs", args.name)
+    stamp = int(time.time())
+    if jax.process_count() > 1:  # every process must agree on the directory
+        from jax.experimental import multihost_utils
+
+        stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
+    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S", time.localtime(stamp)))
+
+
+def _check_resume(out: str, args: argparse.Namespace) -> None:
+    path = os.path.join(out, "run.json")
+    if not os.path.exists(path):
+        raise UsageError(f"--resume: {path} not found; is {out!r} the directory of a run?")
+    with open(path) as f:
+        saved = json.load(f)
+    for key in _RUN_IDENTITY:
+        if key in saved and saved[key] != getattr(args, key):
+            flag = "--" + key.replace("_", "-")
+            raise UsageError(
+                f"--resume: the run in {out} used {flag} {saved[key]}, got {getattr(args, key)}; "
+                "repeat the original value"
+            )
+
+
+# ------------------------------------------------------------------------------ summary
+
+
+def ledger_table(ledgers: dict[str, Any]) -> str:
+    """Side-by-side table of per-device bytes per step in units of M, one column per
+    ledger, one row per (phase, collective, mesh axes)."""
+    rows: dict[tuple, dict[str, float]] = {}
+    for name, ledger in ledgers.items():
+        for (phase, op, axes), num in ledger.bytes_by("phase", "op", "axes").items():
+            rows.setdefault((phase, op, axes), {})[name] = ledger.in_units_of_M(num)
+    order = {"forward": 0, "backward": 1}
+    names = list(ledgers)
+    width = 40
+    lines = [f"{'collective (per device, one step)':<{width}}" + "".join(f"{n:>10}" for n in names)]
+    for key in sorted(rows, key=lambda k: (order.get(k[0], 2), k[1], k[2])):
+        phase, op, axes = key
+        label = f"{phase} {op} over {'+'.join(axes) or '-'}"
+        lines.append(
+            f"{label:<{width}}" + "".join(f"{rows[key].get(n, 0.0):>9.3f}M" for n in names)
+        )
+    for label, attr in (("total", "total_bytes"), ("cross-node", "cross_node_bytes")):
+        lines.append(
+            f"{label:<{width}}"
+            + "".join(
+                f"{ledgers[n].in_units_of_M(getattr(ledgers[n], attr)):>9.3f}M" for n in names
+            )
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `zeropp-train` (and `python -m zeropp_jax.train`).
+
+    Returns 0 after a completed run; bad flags raise `SystemExit(2)` after one line on
+    stderr (`zeropp-train: error: ...`).
+    """
+    try:
+        args = parse_args(argv)
+        configure_host_devices(args)
+        initialize_distributed(args)
+        run = _setup(args)
+    except (UsageError, ValueError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    _train(run)
+    return 0
+
+
+@dataclasses.dataclass
+class _Run:
+    args: argparse.Namespace
+    out: str
+    mesh: Any
+    config: Any
+    corpus: Any
+    entropy: float
+    state: Any
+    compiled_step: Any
+    compiled_eval: Any
+    sharding: Any
+    eval_set: list
+    start: int
+    param_count: int
+    model: Any
+    init_params: Any
+    lowered_step: Any
+    t0: float
+    main: bool
+
+
+def _setup(args: argparse.Namespace) -> _Run:
+    t0 = time.time()
+    import jax
+
+    import zeropp_jax as zpp
+    from zeropp_jax.train import data
+    from zeropp_jax.train.model import GPT, GPTConfig, init_params
+
+    mesh = make_mesh(args)
+    n_dev = mesh.size
+    if args.batch % n_dev:
+        raise UsageError(
+            f"--batch {args.batch} is not divisible by the {n_dev} devices of the mesh; "
+            f"use a multiple of {n_dev}"
+        )
+    config = zeropp_config(args)
+    out = args.out or _default_out(args)
+    if args.resume:
+        _check_resume(out, args)
+    is_main = jax.process_index() == 0
+
+    corpus = data.load_corpus(max_bytes=args.max_corpus_mb * 2**20)
+    entropy = data.unigram_entropy(corpus.train)
+    gpt = GPTConfig(
+        seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads
+    )
+    model = GPT(gpt)
+    params = init_params(gpt, args.seed)
+    param_count = sum(int(x.size) for x in jax.tree.leaves(params))
+    state = zpp.TrainState.create(
+        apply_fn=model.apply, params=params, tx=make_optimizer(args), mesh=mesh, config=config
+    )
+    start = 0
+    if args.resume:
+        latest = latest_checkpoint(out)
+        if latest is None:
+            raise UsageError(f"--resume: no checkpoint under {checkpoint_dir(out)}")
+        state = zpp.restore_checkpoint(os.path.abspath(latest[1]), state)
+        start = int(jax.device_get(state.step))
+    if start >= args.steps:
+        raise UsageError(f"--resume: the run in {out} is at step {start}, --steps is {args.steps}")
+
+    sharding = data.batch_sharding(mesh)
+    eval_set = [
+        data.make_global_batch(data.local_rows(b, sharding), sharding, args.batch)
+        for b in data.eval_batches(
+            corpus.val,
+            seed=args.seed,
+            num_batches=args.eval_batches,
+            batch_size=args.batch,
+            seq_len=args.seq_len,
+        )
+    ]
+    # Compile ahead of time here, so that a config the engine rejects at trace time is
+    # reported like any other bad flag.
+    step_fn = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
+    lowered_step = step_fn.lower(state, eval_set[0])
+    compiled_step = lowered_step.compile()
+    compiled_eval = jax.jit(eval_loss).lower(state, eval_set[0]).compile()
+
+    if is_main:
+        os.makedirs(out, exist_ok=True)
+        record = {k: v for k, v in vars(args).items()}
+        record.update(param_count=param_count, devices=n_dev, mesh=dict(mesh.shape))
+        with open(os.path.join(out, "run.json"), "w") as f:
+            json.dump(record, f, indent=1)
+    return _Run(
+        args=args,
+        out=out,
+        mesh=mesh,
+        config=config,
+        corpus=corpus,
+        entropy=entropy,
+        state=state,
+        compiled_step=compiled_step,
+        compiled_eval=compiled_eval,
+        sharding=sharding,
+        eval_set=eval_set,
+        start=start,
+        param_count=param_count,
+        model=model,
+        init_params=params,
+        lowered_step=lowered_step,
+        t0=t0,
+        main=is_main,
+    )
+
+
+def _train(run: _Run) -> None:
+    import jax
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    import zeropp_jax as zpp
+    from zeropp_jax.train import data
+
+    args, state = run.args, run.state
+    run.state = None  # the loop owns the state from here (the step may donate it)
+    tokens_per_step = args.batch * args.seq_len
+
+    def make_batch(step: int):
+        rows = data.local_rows(
+            data.sample_batch(
+                run.corpus.train,
+                seed=args.seed,
+                step=step,
+                batch_size=args.batch,
+                seq_len=args.seq_len,
+            ),
+            run.sharding,
+        )
+        return _fingerprint(rows), data.make_global_batch(rows, run.sharding, args.batch)
+
+    def evaluate() -> float:
+        return float(np.mean([float(run.compiled_eval(state, b)) for b in run.eval_set]))
+
+    def save(step: int) -> None:
+        path = os.path.abspath(os.path.join(checkpoint_dir(run.out), f"step_{step}"))
+        if not os.path.exists(path):
+            zpp.save_checkpoint(path, state)
+
+    log = open(os.path.join(run.out, "metrics.jsonl"), "a") if run.main else None
+
+    def emit(record: dict) -> None:
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+
+    bar = tqdm(
+        total=args.steps,
+        initial=run.start,
+        desc=PROG,
+        unit="step",
+        disable=not run.main or args.no_progress,
+        dynamic_ncols=True,
+    )
+    say = bar.write if run.main else (lambda _msg: None)
+    say(
+        f"{run.param_count / 1e6:.2f}M parameters on a {run.mesh.shape['node']} x "
+        f"{run.mesh.shape['local']} ('node', 'local') mesh of {jax.default_backend()} devices; "
+        f"config {_config_text(run.config)}; corpus {len(run.corpus.train) / 1e6:.1f}M train "
+        f"/ {len(run.corpus.val) / 1e6:.2f}M val bytes, unigram entropy "
+        f"{run.entropy:.3f} nats ({data.bits(run.entropy):.2f} bits) per byte; out {run.out}"
+    )
+
+    train_loss = val_loss = float("nan")
+    timed_steps, timed_seconds = 0, 0.0
+    with data.Prefetcher(make_batch, run.start, args.steps) as batches:
+        for step, (digest, batch) in batches:
+            t = time.perf_counter()
+            state, metrics = run.compiled_step(state, batch)
+            train_loss = float(metrics["loss"])
+            dt = time.perf_counter() - t
+            done = step + 1
+            if done > run.start + 1:  # the first step of a run warms up
+                timed_steps += 1
+                timed_seconds += dt
+            rate = timed_steps * tokens_per_step / timed_seconds if timed_seconds else 0.0
+            bar.update(1)
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{rate:,.0f}")
+            emit({"step": done, "loss": train_loss, "data_crc32": digest})
+            if args.eval_every and done % args.eval_every == 0 and done < args.steps:
+                val_loss = evaluate()
+                say(f"step {done}: train loss {train_loss:.4f}, val loss {val_loss:.4f}")
+                emit({"step": done, "val_loss": val_loss})
+            if args.save_every and done % args.save_every == 0:
+                save(done)
+    bar.close()
+    val_loss = evaluate()
+    emit({"step": args.steps, "val_loss": val_loss})
+    save(args.steps)
+    rate = timed_steps * tokens_per_step / timed_seconds if timed_seconds else float("nan")
+
+    ledger_text, ledger_m = "", {}
+    if not args.no_ledger:
+        ledgers = _ledgers(run, run.eval_set[0])
+        ledger_text = ledger_table(ledgers)
+        ledger_m = {
+            name: {
+                "total_M": lg.in_units_of_M(lg.total_bytes),
+                "cross_node_M": lg.in_units_of_M(lg.cross_node_bytes),
+            }
+            for name, lg in ledgers.items()
+        }
+    wall = time.time() - run.t0
+    summary = {
+        "steps": args.steps,
+        "final_train_loss": train_loss,
+        "final_val_loss": val_loss,
+        "unigram_entropy_nats": run.entropy,
+        "tokens_per_s": rate,
+        "wall_s": wall,
+        "param_count": run.param_count,
+        "ledger": ledger_m,
+    }
+    if run.main:
+        with open(os.path.join(run.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        lines = [
+            "",
+            f"final train loss {train_loss:.4f}, val loss {val_loss:.4f} nats/byte "
+            f"({data.bits(val_loss):.3f} bits); unigram entropy {run.entropy:.4f} nats "
+            f"({data.bits(run.entropy):.3f} bits)",
+            f"{rate:,.0f} tokens/s (first step excluded), wall time {wall:.1f} s, "
+            f"checkpoint {os.path.join(checkpoint_dir(run.out), f'step_{args.steps}')}",
+        ]
+        if ledger_text:
+            lines += [
+                f"communication ledger, M = {2 * run.param_count / 1e6:.2f} MB "
+                f"(parameters in 16 bits):",
+                ledger_text,
+            ]
+        print("\n".join(lines))
+    if log is not None:
+        log.close()
+
+
+def _config_text(config) -> str:
+    if config.is_zero3:
+        return f"ZeRO-3 ({config.compute_dtype.name})"
+    return (
+        f"ZeRO++ (weights {config.weight_bits or 'unquantized'}"
+        f"{'-bit' if config.weight_bits else ''}, hpZ {'on' if config.hierarchical else 'off'}, "
+        f"gradients {config.grad_bits or 'unquantized'}{'-bit' if config.grad_bits else ''}, "
+        f"{config.compute_dtype.name})"
+    )
+
+
+class _Prelowered:
+    """Hands `comm_ledger` a lowering made earlier instead of tracing the step again."""
+
+    def __init__(self, lowered):
+        self._lowered = lowered
+
+    def lower(self, *args, **kwargs):
+        return self._lowered
+
+
+def _ledgers(run: _Run, batch) -> dict[str, Any]:
+    """Ledgers of one step of this config and of plain ZeRO-3 (lowered only, not run)."""
+    import zeropp_jax as zpp
+
+    name = "ZeRO-3" if run.config.is_zero3 else "ZeRO++"
+    ledgers = {
+        name: zpp.comm_ledger(
+            _Prelowered(run.lowered_step), batch, mesh=run.mesh, param_count=run.param_count
+        )
+    }
+    if not run.config.is_zero3:
+        base = zpp.ZeroPPConfig.zero3(compute_dtype=run.config.compute_dtype)
+        base_state = zpp.TrainState.create(
+            apply_fn=run.model.apply,
+            params=run.init_params,
+            tx=make_optimizer(run.args),
+            mesh=run.mesh,
+            config=base,
+        )
+        step = zpp.shard(train_step, mesh=run.mesh, config=base)
+        ledgers["ZeRO-3"] = zpp.comm_ledger(step, base_state, batch, param_count=run.param_count)
+    return ledgers
