@@ -9,6 +9,7 @@ from zeropp_jax.train import data
 from zeropp_jax.train.model import GPT, GPTConfig, cross_entropy, init_params
 
 TINY = GPTConfig(seq_len=16, d_model=32, n_layers=1, n_heads=4)
+apply = jax.jit(GPT(TINY).apply, static_argnames="train")
 
 
 # --- model -----------------------------------------------------------------------------
@@ -17,10 +18,10 @@ TINY = GPTConfig(seq_len=16, d_model=32, n_layers=1, n_heads=4)
 def test_model_shapes_and_dtypes():
     params = init_params(TINY, 0)
     tokens = jnp.arange(2 * 16, dtype=jnp.int32).reshape(2, 16)
-    logits = GPT(TINY).apply({"params": params}, tokens)
+    logits = apply({"params": params}, tokens)
     assert logits.shape == (2, 16, 256) and logits.dtype == jnp.float32
     bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-    logits16 = GPT(TINY).apply({"params": bf16}, tokens[:, :8], train=True)
+    logits16 = apply({"params": bf16}, tokens[:, :8], train=True)
     assert logits16.shape == (2, 8, 256) and logits16.dtype == jnp.float32
     loss = cross_entropy(logits, tokens)
     assert loss.dtype == jnp.float32 and loss.shape == ()
@@ -30,8 +31,8 @@ def test_model_is_causal():
     params = init_params(TINY, 1)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 16)), dtype=jnp.int32)
     changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % 256)
-    a = GPT(TINY).apply({"params": params}, tokens)
-    b = GPT(TINY).apply({"params": params}, changed)
+    a = apply({"params": params}, tokens)
+    b = apply({"params": params}, changed)
     np.testing.assert_array_equal(a[:, :10], b[:, :10])
     assert not np.array_equal(a[:, 10:], b[:, 10:])
 
@@ -156,13 +157,28 @@ def test_cli_bad_flags_give_one_line_and_exit_2(flags, message, capsys, tmp_path
     assert message in err
 
 
-@pytest.mark.skipif(
-    not hasattr(__import__("zeropp_jax"), "save_checkpoint"), reason="checkpointing not landed"
-)
-def test_cli_trains_checkpoints_and_resumes_at_the_same_data_position(tmp_path, capsys):
+def test_cli_trains_checkpoints_and_resumes_at_the_same_data_position(tmp_path, capsys, request):
     import shutil
 
+    import zeropp_jax as zpp
     from zeropp_jax.train import cli
+
+    if not hasattr(zpp, "save_checkpoint"):
+        pytest.skip("zpp.save_checkpoint has not landed yet")
+    # The resumed run compiles the same programs: let it find them in a persistent cache.
+    from jax.experimental.compilation_cache import compilation_cache
+
+    def use_cache(directory, min_secs):
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
+        compilation_cache.reset_cache()
+
+    old = (
+        jax.config.jax_compilation_cache_dir,
+        jax.config.jax_persistent_cache_min_compile_time_secs,
+    )
+    use_cache(str(tmp_path / "jax-cache"), 0.0)
+    request.addfinalizer(lambda: use_cache(*old))
 
     full = tmp_path / "full"
     assert cli.main([*TINY_FLAGS, "--steps", "4", "--save-every", "2", "--out", str(full)]) == 0

@@ -387,6 +387,21 @@ def latest_checkpoint(out: str) -> tuple[int, str] | None:
     return max(found) if found else None
 
 
+def checkpoint_path(out: str, step: int) -> str:
+    return os.path.join(checkpoint_dir(out), f"step_{step}")
+
+
+def _open_metrics(path: str, keep_until: int):
+    """Opens metrics.jsonl for appending, first dropping records after step `keep_until`
+    (written by an earlier attempt past the checkpoint a resumed run starts from)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= keep_until]
+        with open(path, "w") as f:
+            f.writelines(kept)
+    return open(path, "a")
+
+
 def _fingerprint(rows) -> int:
     """CRC-32 of a batch's bytes: a cheap record of the data position in metrics.jsonl."""
     import numpy as np
@@ -462,11 +477,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns 0 after a completed run; bad flags raise `SystemExit(2)` after one line on
     stderr (`zeropp-train: error: ...`).
     """
+    t0 = time.time()
     try:
         args = parse_args(argv)
         configure_host_devices(args)
         initialize_distributed(args)
-        run = _setup(args)
+        run = _setup(args, t0)
     except (UsageError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -496,8 +512,7 @@ class _Run:
     main: bool
 
 
-def _setup(args: argparse.Namespace) -> _Run:
-    t0 = time.time()
+def _setup(args: argparse.Namespace, t0: float) -> _Run:
     import jax
 
     import zeropp_jax as zpp
@@ -515,6 +530,11 @@ def _setup(args: argparse.Namespace) -> _Run:
     out = args.out or _default_out(args)
     if args.resume:
         _check_resume(out, args)
+    elif latest_checkpoint(out) is not None:
+        raise UsageError(
+            f"{out} already holds checkpoints; pass --resume to continue that run or choose "
+            "another --out"
+        )
     is_main = jax.process_index() == 0
 
     corpus = data.load_corpus(max_bytes=args.max_corpus_mb * 2**20)
@@ -612,12 +632,16 @@ def _train(run: _Run) -> None:
     def evaluate() -> float:
         return float(np.mean([float(run.compiled_eval(state, b)) for b in run.eval_set]))
 
-    def save(step: int) -> None:
-        path = os.path.abspath(os.path.join(checkpoint_dir(run.out), f"step_{step}"))
-        if not os.path.exists(path):
-            zpp.save_checkpoint(path, state)
+    saved = set()
 
-    log = open(os.path.join(run.out, "metrics.jsonl"), "a") if run.main else None
+    def save(step: int) -> None:  # every process takes part
+        if step not in saved:
+            zpp.save_checkpoint(os.path.abspath(checkpoint_path(run.out, step)), state)
+            saved.add(step)
+
+    log = None
+    if run.main:
+        log = _open_metrics(os.path.join(run.out, "metrics.jsonl"), keep_until=run.start)
 
     def emit(record: dict) -> None:
         if log is not None:
@@ -700,7 +724,7 @@ def _train(run: _Run) -> None:
             f"({data.bits(val_loss):.3f} bits); unigram entropy {run.entropy:.4f} nats "
             f"({data.bits(run.entropy):.3f} bits)",
             f"{rate:,.0f} tokens/s (first step excluded), wall time {wall:.1f} s, "
-            f"checkpoint {os.path.join(checkpoint_dir(run.out), f'step_{args.steps}')}",
+            f"checkpoint {checkpoint_path(run.out, args.steps)}",
         ]
         if ledger_text:
             lines += [
