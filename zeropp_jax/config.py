@@ -24,6 +24,14 @@ def _fail(field: str, value: Any, allowed: str, fix: str = "") -> None:
     raise ValueError(msg)
 
 
+def _check_bits(field: str, value: Any, allowed: tuple[int | None, ...]) -> None:
+    # An int (not a bool, not a float such as 8.0 that compares equal) or None.
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        _fail(field, value, f"one of {allowed} (an int or None)")
+    if value not in allowed:
+        _fail(field, value, f"one of {allowed}")
+
+
 def _check_block_size(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 8:
         _fail(
@@ -68,10 +76,8 @@ class ZeroPPConfig:
     skip_nonfinite_updates: bool = False
 
     def __post_init__(self) -> None:
-        if self.weight_bits not in WEIGHT_BITS or isinstance(self.weight_bits, bool):
-            _fail("weight_bits", self.weight_bits, f"one of {WEIGHT_BITS}")
-        if self.grad_bits not in GRAD_BITS or isinstance(self.grad_bits, bool):
-            _fail("grad_bits", self.grad_bits, f"one of {GRAD_BITS}")
+        _check_bits("weight_bits", self.weight_bits, WEIGHT_BITS)
+        _check_bits("grad_bits", self.grad_bits, GRAD_BITS)
         _check_block_size("weight_block_size", self.weight_block_size)
         _check_block_size("grad_block_size", self.grad_block_size)
         if not isinstance(self.hierarchical, bool):

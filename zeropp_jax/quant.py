@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 BITS = (8, 4, 2)
 
@@ -93,18 +94,35 @@ class QuantizedArray:
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 _F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # 2**-126, the smallest normal float32
 _BIG_SCALE = 2.0**126  # a scale at least this large has a subnormal reciprocal
+_ABS_MASK = np.int32(0x7FFFFFFF)  # clears the sign bit of a float32
+
+
+def block_absmax(blocks: jax.Array) -> jax.Array:
+    """`max(|blocks|)` over the last axis, float32; NaN if the row holds a NaN.
+
+    Taken as an integer max over the bits of `|x|` (for non-negative floats the int32 order
+    is the float order, with every NaN above +Inf): XLA:CPU's float reduce-max drops NaN for
+    some shapes (arrays of a few thousand values and more, openxla/xla#21461), which would
+    give a block holding NaN a finite scale and dequantize its NaN to 0.
+    """
+    magnitude = jax.lax.bitcast_convert_type(blocks.astype(jnp.float32), jnp.int32) & _ABS_MASK
+    return jax.lax.bitcast_convert_type(jnp.max(magnitude, axis=-1), jnp.float32)
 
 
 def block_scales(absmax: jax.Array, bits: int) -> jax.Array:
-    """Float32 scale of each block from its absmax: `absmax / qmax`, kept in the normal range.
+    """Float32 scale of each block from its absmax: `absmax * fl(1 / qmax)`, kept normal.
 
-    A nonzero scale is at least `2**-126`: XLA on CPU flushes subnormal results to zero, and a
-    subnormal scale would turn a block of small normal values into zeros. A finite scale is
-    rounded down where `qmax * scale` would overflow to Inf (absmax within 2**-24 of the
-    float32 maximum). Zero, NaN and Inf pass through.
+    The product with the float32 constant `fl(1 / qmax)` (within 2 float32 roundings of
+    `absmax / qmax`) is spelled out because XLA compiles a division by a constant either as
+    a true division or as this product depending on the array shape, so the same block would
+    get a different scale in a different array. A nonzero scale is at least `2**-126`: XLA on
+    CPU flushes subnormal results to zero, and a subnormal scale would turn a block of small
+    normal values into zeros. A finite scale is rounded down where `qmax * scale` would
+    overflow to Inf (absmax within a few ulps of the float32 maximum). Zero, NaN and Inf
+    pass through.
     """
     m = qmax(bits)
-    scales = absmax / m
+    scales = absmax * (np.float32(1) / np.float32(m))
     scales = jnp.where(absmax > 0, jnp.maximum(scales, _F32_TINY), scales)
     overflow = jnp.isfinite(absmax) & jnp.isinf(scales * m)
     return jnp.where(overflow, jnp.nextafter(scales, jnp.float32(0)), scales)
@@ -153,20 +171,24 @@ def quantize_blocks(
 ) -> tuple[jax.Array, jax.Array]:
     """Quantizes rows of `blocks` `(..., block_size)`; returns packed values and scales.
 
-    Scales have shape `blocks.shape[:-1]`, float32. With `key`, rounds stochastically
-    (`floor(x / scale + u)`, `u ~ U[0, 1)`), which is unbiased; else to nearest (ties even).
+    Scales have shape `blocks.shape[:-1]`, float32 (see `block_scales`). `x / scale` is
+    computed as `x * fl(1 / scale)`, so that every implementation rounds alike. With `key`,
+    rounds stochastically (`floor(x / scale + u)`, `u ~ U[0, 1)`), which is unbiased (under
+    `jit`, XLA may fuse that product and the add of `u` into one multiply-add); else to
+    nearest (ties even).
     """
     x = blocks.astype(jnp.float32)
     m = qmax(bits)
-    scales = block_scales(jnp.max(jnp.abs(x), axis=-1), bits)
+    scales = block_scales(block_absmax(x), bits)
     safe = jnp.where(scales > 0, scales, 1.0)
     if m * _BIG_SCALE <= _F32_MAX:
-        # XLA computes `x / broadcast(s)` as `x * (1 / s)`, and `1 / s` is subnormal (flushed
-        # to zero on CPU) once `s >= 2**126`, which only a 2-bit scale reaches: bring such
-        # blocks down by an exact power of two first.
+        # `1 / s` is subnormal (flushed to zero on CPU) once `s >= 2**126`, which only a 2-bit
+        # scale reaches: bring such blocks down by an exact power of two first.
         pre = jnp.where(safe >= _BIG_SCALE, 2.0**-63, 1.0)
         x, safe = x * pre[..., None], safe * pre
-    y = x / safe[..., None]
+    # An explicit reciprocal: XLA turns `x / broadcast(s)` into this product in some shapes
+    # and not in others.
+    y = x * (1.0 / safe)[..., None]
     if key is None:
         r = jnp.round(y)
     else:
@@ -214,7 +236,7 @@ def dequantize_blockwise(q: QuantizedArray, dtype: jnp.dtype = jnp.float32) -> j
 def step_size(x: jax.Array, *, bits: int, block_size: int) -> jax.Array:
     """Quantization step (`scale`) of the block each value of `x` falls in; shape of `x`."""
     blocks = to_blocks(x.astype(jnp.float32), block_size)
-    scales = block_scales(jnp.max(jnp.abs(blocks), axis=-1), bits)
+    scales = block_scales(block_absmax(blocks), bits)
     full = jnp.broadcast_to(scales[:, None], blocks.shape)
     return full.reshape(-1)[: x.size].reshape(x.shape)
 
@@ -230,7 +252,12 @@ def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, *, bits: int) ->
 
     Returns:
       float32 `(num_blocks, block_size)`: `sum_g dequantize(values[g], scales[g])`, summed
-      left to right over `g` (a fixed order, so every implementation agrees bit for bit).
+      left to right over `g`. Run op by op this is exactly that float32 arithmetic. Under
+      `jit`, XLA may contract a product `q * scale` and the add that follows into one fused
+      multiply-add (XLA:CPU does), which skips the rounding of the product: compiled
+      results may differ from op-by-op ones in the last bits (each result is within
+      `u * (sum_g |q_g * scale_g| + sum_{g>=1} |partial sum_g|)`, `u = 2**-24`, of the exact
+      sum), so compare implementations with that bound, not bit for bit.
     """
     acc = dequantize_blocks(values[0], scales[0], bits=bits)
     for g in range(1, values.shape[0]):
