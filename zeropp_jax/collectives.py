@@ -58,19 +58,28 @@ def _group_size(axis_name: AxisName) -> int:
     return math.prod(lax.axis_size(a) for a in names)
 
 
+def effective_block_size(piece_size: int, block_size: int) -> int:
+    """The block size used for pieces of `piece_size` values: `block_size`, or less for a
+    small piece (rounded up to a multiple of 8 so every bit width packs into whole bytes),
+    so that a piece of a few values is not padded to a whole large block on the wire."""
+    return min(block_size, max(8, -(-piece_size // 8) * 8))
+
+
 def shard_blocks(x: jax.Array, pieces: int, block_size: int) -> jax.Array:
     """Splits `x` into `pieces` equal contiguous pieces, each zero-padded to whole blocks.
 
     Args:
       x: array whose size is divisible by `pieces`.
       pieces: number of pieces.
-      block_size: values per block.
+      block_size: values per block; pieces smaller than a block use a smaller block (see
+        `effective_block_size`).
 
     Returns:
-      `(pieces, blocks_per_piece, block_size)`, so no block straddles two pieces.
+      `(pieces, blocks_per_piece, block)`, so no block straddles two pieces.
     """
     flat = x.reshape(pieces, -1)
     n = flat.shape[1]
+    block_size = effective_block_size(n, block_size)
     pad = num_blocks(n, block_size) * block_size - n
     if pad:
         flat = jnp.pad(flat, ((0, 0), (0, pad)))
@@ -414,7 +423,7 @@ def two_hop_reduce_scatter(
     check_bits(bits, block_size)
     check_bits(hop2_bits, block_size)
     blocks = shard_blocks(x, n, block_size)  # (L * Nn, nbp, bs), partition order
-    nbp = blocks.shape[1]
+    nbp, block_size = blocks.shape[1:]
     if ll > 1:
         values, scales = _quantize(blocks.reshape(ll, nn * nbp, block_size), bits, codec)
         rv = lax.all_to_all(values, local_axis, 0, 0)

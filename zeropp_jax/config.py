@@ -14,7 +14,7 @@ import jax.numpy as jnp
 WEIGHT_BITS = (None, 8, 4, 2)
 GRAD_BITS = (None, 8, 4, 2)
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-KERNELS = ("auto", "xla", "pallas")
+KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
 
 
 def _fail(field: str, value: Any, allowed: str, fix: str = "") -> None:
@@ -60,7 +60,8 @@ class ZeroPPConfig:
       compute_dtype: dtype the model runs in (weights are gathered into it). Master weights
         and optimizer state stay float32.
       kernels: implementation of quantize/dequantize: "xla" (plain jnp), "pallas" (the
-        kernels in `pallas_kernels`), or "auto" (Pallas on GPU, XLA elsewhere).
+        kernels in `pallas_kernels`, GPU only), "pallas_interpret" (the same kernels in
+        Pallas interpret mode, for CPU tests), or "auto" (Pallas on GPU, XLA elsewhere).
       skip_nonfinite_updates: if True, a step whose gradients hold NaN or Inf leaves the
         parameters and optimizer state unchanged (the step counter and a skipped-step
         counter still advance) instead of writing non-finite values into the master weights.
