@@ -4,6 +4,7 @@ Quantized weight all-gathers (qwZ), a secondary weight shard inside each node (h
 quantized two-hop gradient reduction (qgZ) over a `('node', 'local')` device mesh.
 """
 
+from zeropp_jax.checkpoint import restore_checkpoint, save_checkpoint
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.engine import ShardedStep, TrainState, gather_params, shard
 from zeropp_jax.ledger import CommLedger, comm_ledger
@@ -21,6 +22,8 @@ __all__ = [
     "gather_params",
     "make_mesh",
     "quantize_blockwise",
+    "restore_checkpoint",
+    "save_checkpoint",
     "shard",
 ]
 

@@ -1,0 +1,250 @@
+"""Checkpoints on orbax that restore onto another mesh or config.
+
+`save_checkpoint(path, state)` writes the step, the float32 master parameters, the optax
+state and the skipped-step counter (each as stored: rows padded to a multiple of the
+device count) plus `zeropp.json` describing the parameter tree, into a staging folder
+that is renamed to `path` only once complete: a crash mid-save leaves any previous
+checkpoint at `path` loadable.
+
+`restore_checkpoint(path, target)` loads onto `target`, a `TrainState` built by
+`TrainState.create` on the mesh and config to restore onto. Padding rows are zero by
+construction, so a leaf saved with `P_old` rows becomes `P_new` rows by dropping or adding
+zero rows. Nothing derived from the old mesh is restored: the target's own fresh values
+are kept for everything that is not in the list above.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+
+from zeropp_jax import partition as part
+from zeropp_jax.engine import TrainState
+
+FORMAT = "zeropp_jax.checkpoint/1"
+STATE_DIR = "state"
+META_FILE = "zeropp.json"
+
+
+def _saved_tree(state: TrainState) -> dict[str, Any]:
+    return {
+        "step": state.step,
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "skipped_steps": state.skipped_steps,
+    }
+
+
+def _param_table(state: TrainState) -> list[list[Any]]:
+    treedef, layouts = state.layouts
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(treedef, list(layouts)), is_leaf=part.is_layout
+        )[0]
+    ]
+    return [[p, list(lo.shape), lo.dtype] for p, lo in zip(paths, layouts, strict=True)]
+
+
+def _metadata(state: TrainState) -> dict[str, Any]:
+    cfg = state.config
+    return {
+        "format": FORMAT,
+        "step": int(jax.device_get(state.step)),
+        "mesh": {k: int(v) for k, v in state.mesh.shape.items()},
+        "config": {
+            k: (jnp.dtype(v).name if k == "compute_dtype" else v) for k, v in vars(cfg).items()
+        },
+        "params": _param_table(state),
+        "opt_state_tree": str(jax.tree_util.tree_structure(state.opt_state)),
+        "stored_shapes": [list(x.shape) for x in jax.tree_util.tree_leaves(_saved_tree(state))],
+    }
+
+
+def _is_main() -> bool:
+    return jax.process_index() == 0
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def save_checkpoint(path: str | os.PathLike, state: TrainState, *, overwrite: bool = False) -> str:
+    """Saves `state` to the folder `path`, atomically.
+
+    Every process of a multi-process job must call it with the same shared `path`.
+
+    Args:
+      path: folder to create (its parent must exist or be creatable).
+      state: a `zeropp_jax.TrainState`.
+      overwrite: replace an existing checkpoint at `path` (the old one is removed only
+        after the new one is complete).
+
+    Returns:
+      The absolute path written.
+
+    Raises:
+      ValueError: if `state` is not a zpp.TrainState, or `path` exists and not `overwrite`.
+    """
+    if not isinstance(state, TrainState):
+        raise ValueError(f"save_checkpoint expects a zeropp_jax.TrainState, got {type(state)}.")
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not overwrite:
+        raise ValueError(
+            f"checkpoint path {path} already exists; pass overwrite=True or choose a new "
+            "path (e.g. one folder per step)."
+        )
+    token = uuid.uuid4().hex[:8] if _is_main() else ""
+    if jax.process_count() > 1:
+        token = (
+            multihost_utils.broadcast_one_to_all(np.frombuffer(token.encode().ljust(8), np.uint8))
+            .tobytes()
+            .decode()
+            .strip()
+        )
+    staging = f"{path}.saving-{token}"
+    if _is_main():
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        os.makedirs(staging)
+    _sync("zeropp_ckpt_staging")
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(staging, STATE_DIR), _saved_tree(state))
+    ckptr.wait_until_finished()
+    ckptr.close()
+    if _is_main():
+        with open(os.path.join(staging, META_FILE), "w") as f:
+            json.dump(_metadata(state), f, indent=1)
+        old = None
+        if os.path.exists(path):
+            old = f"{path}.old-{token}"
+            os.rename(path, old)
+        os.rename(staging, path)
+        if old:
+            shutil.rmtree(old)
+    _sync("zeropp_ckpt_done")
+    return path
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The `zeropp.json` of a checkpoint (step, mesh, config, parameter table)."""
+    meta_path = os.path.join(os.fspath(path), META_FILE)
+    if not os.path.exists(meta_path):
+        raise ValueError(
+            f"{os.fspath(path)} is not a zeropp_jax checkpoint (no {META_FILE}); an "
+            "interrupted save leaves only a '.saving-*' folder, which is never read."
+        )
+    with open(meta_path) as f:
+        return json.load(f)
+
+
+def _check_compatible(meta: dict[str, Any], target: TrainState) -> None:
+    saved = {p: (tuple(s), d) for p, s, d in meta["params"]}
+    want = {p: (tuple(s), d) for p, s, d in _param_table(target)}
+    if saved != want:
+        missing = sorted(set(want) - set(saved))
+        extra = sorted(set(saved) - set(want))
+        changed = sorted(p for p in set(saved) & set(want) if saved[p] != want[p])
+        detail = []
+        if missing:
+            detail.append(f"missing from the checkpoint: {missing[:5]}")
+        if extra:
+            detail.append(f"not in the target: {extra[:5]}")
+        if changed:
+            p = changed[0]
+            detail.append(
+                f"{len(changed)} differ in shape/dtype, e.g. {p}: saved {saved[p]}, "
+                f"target {want[p]}"
+            )
+        raise ValueError(
+            "the checkpoint's parameter tree differs from the target's ("
+            + "; ".join(detail)
+            + "); build the target from the same model definition."
+        )
+    got = str(jax.tree_util.tree_structure(target.opt_state))
+    if meta["opt_state_tree"] != got:
+        raise ValueError(
+            "the checkpoint's optimizer state has a different structure from the target's "
+            "(was the optax chain changed?); build the target with the same optimizer."
+        )
+
+
+def _resize_rows(x: jax.Array, rows: int) -> jax.Array:
+    if x.shape[0] >= rows:
+        return x[:rows]
+    return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainState:
+    """Restores the checkpoint at `path` onto `target`'s mesh and config.
+
+    Args:
+      path: a folder written by `save_checkpoint`.
+      target: a `TrainState.create(...)` on the mesh and config to restore onto; its
+        parameter tree and optimizer must match the saved ones.
+
+    Returns:
+      `target` with step, parameters, optimizer state and skipped-step counter from the
+      checkpoint, sharded for `target.mesh`.
+
+    Raises:
+      ValueError: for a folder that is not a checkpoint, or trees that differ.
+    """
+    if not isinstance(target, TrainState):
+        raise ValueError(
+            f"restore_checkpoint expects a zeropp_jax.TrainState target, got {type(target)}; "
+            "build one with zpp.TrainState.create on the mesh and config to restore onto."
+        )
+    path = os.path.abspath(os.fspath(path))
+    meta = read_metadata(path)
+    _check_compatible(meta, target)
+    want = _saved_tree(target)
+    want_leaves, want_def = jax.tree_util.tree_flatten(want)
+    shapes = [tuple(s) for s in meta["stored_shapes"]]
+    mesh = target.mesh
+    replicated = NamedSharding(mesh, part.REPLICATED)
+
+    def abstract(shape, tgt):
+        sharding = tgt.sharding
+        if shape != tuple(tgt.shape):
+            # Rows padded for another device count: load sharded if they divide evenly
+            # over this mesh, else replicated (one transient full copy of that leaf).
+            if not (shape and len(shape) == tgt.ndim and shape[1:] == tuple(tgt.shape[1:])):
+                raise ValueError(
+                    f"checkpoint leaf of shape {shape} cannot be restored into a target leaf "
+                    f"of shape {tuple(tgt.shape)}."
+                )
+            if shape[0] % mesh.size:
+                sharding = replicated
+        return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=sharding)
+
+    abstract_tree = jax.tree_util.tree_unflatten(
+        want_def, [abstract(s, t) for s, t in zip(shapes, want_leaves, strict=True)]
+    )
+    ckptr = ocp.StandardCheckpointer()
+    state_path = os.path.join(path, STATE_DIR)
+    loaded = ckptr.restore(state_path, abstract_tree)
+    ckptr.close()
+
+    def fit(x, tgt):
+        if x.shape == tgt.shape:
+            return x
+        return jax.jit(_resize_rows, static_argnums=1, out_shardings=tgt.sharding)(x, tgt.shape[0])
+
+    loaded = jax.tree_util.tree_map(fit, loaded, want)
+    return target.replace(
+        step=loaded["step"],
+        params=loaded["params"],
+        opt_state=loaded["opt_state"],
+        skipped_steps=loaded["skipped_steps"],
+    )
