@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=_positive, default=128, help="tokens per sequence (128)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=_positive, default=300, help="optimizer steps (300)")
+    g.add_argument("--steps", type=_positive, default=200, help="optimizer steps (200)")
     g.add_argument("--batch", type=_positive, default=32, help="global batch, sequences (32)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
     g.add_argument(
