@@ -7,8 +7,9 @@ well below the unigram entropy of the corpus. At the end it prints the final los
 throughput and the communication ledger of one step against plain ZeRO-3.
 
 Run `zeropp-train --help` for the flags. Under `jax.distributed` (`--coordinator`,
-`--num-processes`, `--process-id`, or `--distributed` to auto-detect) each process is one
-node of the mesh and feeds only its own rows of every batch.
+`--num-processes`, `--process-id`; `--distributed` to auto-detect a cluster; or started by
+`python -m zeropp_jax.launch`) each process is one node of the mesh and feeds only its own
+rows of every batch.
 
 Outputs under `--out`: `run.json` (the flags), `metrics.jsonl` (one line per step and per
 evaluation), `summary.json`, and `checkpoints/step_<n>`.
@@ -275,7 +276,8 @@ def configure_host_devices(args: argparse.Namespace) -> None:
 
 
 def initialize_distributed(args: argparse.Namespace) -> None:
-    """Starts `jax.distributed` when the flags ask for it."""
+    """Starts `jax.distributed` when the flags ask for it, or when the process was started
+    by `python -m zeropp_jax.launch` (which sets the `ZEROPP_*` variables)."""
     import jax
 
     if args.coordinator is not None:
@@ -287,6 +289,10 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         )
     elif args.distributed:
         jax.distributed.initialize()
+    else:  # started by `python -m zeropp_jax.launch`, or single-process
+        from zeropp_jax import launch
+
+        launch.initialize_from_env()
 
 
 # ------------------------------------------------------------------------------- pieces
