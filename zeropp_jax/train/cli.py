@@ -29,6 +29,8 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from zeropp_jax.config import KERNELS
+
 PROG = "zeropp-train"
 
 # Arguments that fix the model and the data order: a resumed run must repeat them.
@@ -175,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--kernels",
-        choices=("auto", "xla", "pallas"),
+        choices=KERNELS,
         default="auto",
         help="quantizer implementation (auto: Pallas on GPU, XLA elsewhere)",
     )
@@ -409,7 +411,7 @@ def _open_metrics(path: str, keep_until: int):
 
 
 def _fingerprint(rows) -> int:
-    """CRC-32 of a batch's bytes: a cheap record of the data position in metrics.jsonl."""
+    """CRC-32 of a global batch's bytes: a cheap record of the data position."""
     import numpy as np
 
     return zlib.crc32(np.ascontiguousarray(rows).tobytes())
@@ -623,17 +625,13 @@ def _train(run: _Run) -> None:
     tokens_per_step = args.batch * args.seq_len
 
     def make_batch(step: int):
-        rows = data.local_rows(
-            data.sample_batch(
-                run.corpus.train,
-                seed=args.seed,
-                step=step,
-                batch_size=args.batch,
-                seq_len=args.seq_len,
-            ),
-            run.sharding,
+        # Every process draws the whole global batch (cheap) and keeps its own rows; the
+        # fingerprint is of the global batch, so it is the same for any process count.
+        rows = data.sample_batch(
+            run.corpus.train, seed=args.seed, step=step, batch_size=args.batch, seq_len=args.seq_len
         )
-        return _fingerprint(rows), data.make_global_batch(rows, run.sharding, args.batch)
+        local = data.local_rows(rows, run.sharding)
+        return _fingerprint(rows), data.make_global_batch(local, run.sharding, args.batch)
 
     def evaluate() -> float:
         return float(np.mean([float(run.compiled_eval(state, b)) for b in run.eval_set]))
