@@ -517,6 +517,7 @@ def _raise_interrupt(signum, frame):
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # so `supervise` kills the workers
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         _parser().error("give the command after --")
@@ -534,6 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as e:
         _parser().error(str(e))
+    except KeyboardInterrupt as e:
+        print(f"launch: interrupted ({e}); all processes killed.", file=sys.stderr)
+        return 130
     stream = sys.stdout if result.returncode == 0 else sys.stderr
     print(result.report(args.tail) if result.returncode else result.report(0), file=stream)
     return result.returncode

@@ -1,0 +1,175 @@
+"""One node of the emulated two-node cluster: times training steps per config and link rate.
+
+Started by `run_cluster.py`, one process per network namespace, with the `ZEROPP_*`
+variables of `zeropp_jax.launch` (4 CPU devices per process). For each config it builds
+the state and compiles the step once, then for each rate it shapes its own side of the
+veth pair (`tc ... tbf` on its egress, so each direction of the link is shaped by the
+process that sends on it), waits for the other process at a barrier, runs `warmup` steps,
+and times `steps` steps one by one (`block_until_ready`), reading the bytes its interface
+sent and received around the timed steps from `/sys/class/net/<iface>/statistics`.
+
+Writes `<out>/process_<i>.json`: one record per (config, rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from zeropp_jax.launch import initialize_from_env
+
+UNLIMITED = "inf"
+
+
+def read_counter(iface: str, name: str) -> int:
+    with open(f"/sys/class/net/{iface}/statistics/{name}") as f:
+        return int(f.read())
+
+
+def shape_link(iface: str, rate: str, *, burst_kb: int, latency_ms: int) -> None:
+    """Puts a tbf qdisc of `rate` Mbit/s on `iface` (egress), or removes it for 'inf'."""
+    if rate == UNLIMITED:
+        subprocess.run(
+            ["tc", "qdisc", "del", "dev", iface, "root"],
+            timeout=10,
+            check=False,
+            capture_output=True,
+        )
+        return
+    mbit = float(rate)
+    # At least 10 ms worth of tokens, so the bucket is never smaller than a timer tick.
+    burst = max(burst_kb * 1024, int(mbit * 1e6 / 8 / 100))
+    subprocess.run(
+        ["tc", "qdisc", "replace", "dev", iface, "root", "tbf", "rate", f"{rate}mbit"]
+        + ["burst", str(burst), "latency", f"{latency_ms}ms"],
+        timeout=10,
+        check=True,
+    )
+
+
+def build(config_name: str, width: int, depth: int, batch: int, mesh):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import zeropp_jax as zpp
+    from zeropp_jax.train.data import batch_sharding, local_rows, make_global_batch
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(depth - 1):
+                x = jax.nn.gelu(nn.Dense(width)(x))
+            return nn.Dense(width)(x)
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            out = state.apply_fn({"params": params}, batch["x"])
+            return jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    config = {"zero3": zpp.ZeroPPConfig.zero3(), "zeropp": zpp.ZeroPPConfig()}[config_name]
+    model = MLP()
+    params = model.init(jax.random.key(0), np.zeros((1, width), np.float32))["params"]
+    state = zpp.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh, config=config
+    )
+    step = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
+    rs = np.random.RandomState(0)
+    sharding = batch_sharding(mesh)
+    data = {
+        "x": rs.randn(batch, width).astype(np.float32),
+        "y": rs.randn(batch, width).astype(np.float32),
+    }
+    data = {k: make_global_batch(local_rows(v, sharding), sharding, batch) for k, v in data.items()}
+    return state, step, data
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--iface", required=True)
+    p.add_argument("--rates", default="100,inf", help="Mbit/s, comma-separated; inf = no limit")
+    p.add_argument("--configs", default="zero3,zeropp")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--width", type=int, default=1536)
+    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--burst-kb", type=int, default=64)
+    p.add_argument("--latency-ms", type=int, default=100)
+    args = p.parse_args(argv)
+
+    initialize_from_env()
+    import jax
+    from jax.experimental import multihost_utils
+
+    import zeropp_jax as zpp
+
+    me = jax.process_index()
+    mesh = zpp.make_mesh()
+    print(f"process {me}: mesh {dict(mesh.shape)}, iface {args.iface}", flush=True)
+    records = []
+    for name in args.configs.split(","):
+        t0 = time.perf_counter()
+        state, step, batch = build(name, args.width, args.depth, args.batch, mesh)
+        shape_link(args.iface, UNLIMITED, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
+        multihost_utils.sync_global_devices(f"{name} built")
+        state, metrics = step(state, batch)  # compile
+        jax.block_until_ready((state, metrics))
+        compile_s = time.perf_counter() - t0
+        print(f"process {me}: {name} built and compiled in {compile_s:.1f}s", flush=True)
+        for rate in args.rates.split(","):
+            shape_link(args.iface, rate, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
+            multihost_utils.sync_global_devices(f"{name} {rate}")
+            for _ in range(args.warmup):
+                state, metrics = step(state, batch)
+                jax.block_until_ready((state, metrics))
+            tx0 = read_counter(args.iface, "tx_bytes")
+            rx0 = read_counter(args.iface, "rx_bytes")
+            times = []
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                state, metrics = step(state, batch)
+                jax.block_until_ready((state, metrics))
+                times.append(time.perf_counter() - t)
+            tx = read_counter(args.iface, "tx_bytes") - tx0
+            rx = read_counter(args.iface, "rx_bytes") - rx0
+            loss = float(metrics["loss"].addressable_data(0))
+            rec = dict(
+                process=me,
+                config=name,
+                rate=rate,
+                times_s=times,
+                tx_bytes=tx,
+                rx_bytes=rx,
+                steps=args.steps,
+                params=state.param_count,
+                loss=loss,
+                compile_s=compile_s,
+            )
+            records.append(rec)
+            print(
+                f"process {me}: {name} @ {rate} Mbit/s: step {sorted(times)[len(times) // 2]:.3f}s"
+                f" (median of {len(times)}), sent {tx / args.steps / 1e6:.1f} MB/step, "
+                f"loss {loss:.4f}",
+                flush=True,
+            )
+        del state, step
+    shape_link(args.iface, UNLIMITED, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
+    with open(os.path.join(args.out, f"process_{me}.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    multihost_utils.sync_global_devices("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

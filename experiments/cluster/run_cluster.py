@@ -1,0 +1,366 @@
+"""The emulated two-node cluster: ZeRO-3 against ZeRO++ over a rate-limited link.
+
+    sudo python experiments/cluster/run_cluster.py                 # full sweep (minutes)
+    sudo python experiments/cluster/run_cluster.py --quick         # smoke run, tiny model
+    sudo python experiments/cluster/run_cluster.py --rates 100,inf --configs zero3,zeropp
+
+Two network namespaces joined by a veth pair stand for two nodes; each direction of the
+pair is shaped with `tc ... tbf` (netem, and so latency emulation, is unavailable). One
+worker process per namespace, 4 CPU devices each, forms a 2 x 4 `('node', 'local')` mesh
+through `jax.distributed` (coordinator on the first namespace's address) and gloo, whose
+collectives cross the shaped link. gloo binds to the address the host name resolves to,
+so each worker runs in its own mount and UTS namespace with its own host name and
+`/etc/hosts`. Addresses exist only inside the namespaces; nothing is sent from or to the
+root namespace.
+
+For each config (`zpp.ZeroPPConfig.zero3()` and `zpp.ZeroPPConfig()`) and each rate, the
+workers time single training steps of an MLP (median of `--steps` after `--warmup`) and
+count the bytes on the veth (`/sys/class/net/<if>/statistics`, both directions). Writes
+`<name>.md`, `<name>.csv` and `<name>.png` into `--out-dir` (default
+`experiments/results`). The namespaces are deleted on every exit path (also on failure,
+Ctrl-C or SIGTERM); the workers are SIGKILLed first.
+
+Needs root (`ip netns`, `tc`); exits with status 2 and a reason otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = pathlib.Path(__file__).resolve().parent / "cluster_worker.py"
+DEFAULT_OUT = ROOT / "experiments" / "results"
+SUBNET = "10.231.0"  # private; lives only inside the two namespaces
+COORDINATOR_PORT = 29431  # the namespaces are new, so any port is free there
+LOCAL_DEVICES = 4
+CONFIG_LABELS = {"zero3": "ZeRO-3", "zeropp": "ZeRO++"}
+
+
+class Unavailable(RuntimeError):
+    """The machine cannot run the cluster (not root, no `ip netns`)."""
+
+
+def _run(cmd: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=20)
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Names of the two namespaces, their veth ends and addresses (unique per run)."""
+
+    namespaces: tuple[str, str]
+    ifaces: tuple[str, str]
+    addresses: tuple[str, str]
+    hostnames: tuple[str, str]
+
+    @classmethod
+    def for_run(cls, tag: str) -> Topology:
+        return cls(
+            namespaces=(f"zpp{tag}n0", f"zpp{tag}n1"),
+            ifaces=(f"zpp{tag}v0", f"zpp{tag}v1"),  # <= 15 characters
+            addresses=(f"{SUBNET}.1", f"{SUBNET}.2"),
+            hostnames=(f"zpp-node0-{tag}", f"zpp-node1-{tag}"),
+        )
+
+
+def check_available() -> None:
+    """Raises `Unavailable` with the reason when namespaces cannot be made here."""
+    if os.geteuid() != 0:
+        raise Unavailable("needs root for `ip netns` and `tc`")
+    for tool in ("ip", "tc", "unshare", "mount"):
+        if shutil.which(tool) is None:
+            raise Unavailable(f"`{tool}` is not installed")
+
+
+def setup(topo: Topology) -> None:
+    """Creates the namespaces and the veth pair; brings them up with their addresses."""
+    (n0, n1), (v0, v1) = topo.namespaces, topo.ifaces
+    _run(["ip", "netns", "add", n0])
+    _run(["ip", "netns", "add", n1])
+    _run(["ip", "link", "add", v0, "type", "veth", "peer", "name", v1])
+    _run(["ip", "link", "set", v0, "netns", n0])
+    _run(["ip", "link", "set", v1, "netns", n1])
+    for ns, iface, addr in zip(topo.namespaces, topo.ifaces, topo.addresses, strict=True):
+        _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", iface])
+        _run(["ip", "-n", ns, "link", "set", iface, "up"])
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+
+def teardown(topo: Topology) -> list[str]:
+    """Deletes the namespaces (and with them the veth pair); returns what failed."""
+    errors = []
+    existing = _run(["ip", "netns", "list"], check=False).stdout
+    for ns in topo.namespaces:
+        if ns in existing:
+            r = _run(["ip", "netns", "del", ns], check=False)
+            if r.returncode:
+                errors.append(f"ip netns del {ns}: {r.stderr.strip()}")
+    r = _run(["ip", "link", "show", topo.ifaces[0]], check=False)
+    if r.returncode == 0:  # created but never moved into its namespace
+        _run(["ip", "link", "del", topo.ifaces[0]], check=False)
+    return errors
+
+
+def worker_commands(topo: Topology, tmp: pathlib.Path, worker_args: list[str]) -> list[list]:
+    """`ip netns exec <ns> unshare -m -u sh -c '<bind hosts, set hostname, exec worker>'`."""
+    hosts = "127.0.0.1 localhost\n" + "".join(
+        f"{a} {h}\n" for a, h in zip(topo.addresses, topo.hostnames, strict=True)
+    )
+    script = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
+    commands = []
+    for i, ns in enumerate(topo.namespaces):
+        hosts_file = tmp / f"hosts_{i}"
+        hosts_file.write_text(hosts)
+        commands.append(
+            ["ip", "netns", "exec", ns, "unshare", "-m", "-u", "sh", "-c", script, "sh"]
+            + [str(hosts_file), topo.hostnames[i], sys.executable, str(WORKER)]
+            + ["--iface", topo.ifaces[i], *worker_args]
+        )
+    return commands
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def rate_label(rate: str) -> str:
+    return "unlimited" if rate == "inf" else f"{rate} Mbit/s"
+
+
+def summarize(records: list[dict], configs: list[str], rates: list[str]) -> list[dict]:
+    """One row per (rate, config): the slower process's step time per step, median over
+    steps; bytes on the link per step (sent by both sides); speedup over ZeRO-3."""
+    by = {}
+    for r in records:
+        by.setdefault((r["config"], r["rate"]), []).append(r)
+    rows = []
+    for rate in rates:
+        base = None
+        for cfg in configs:
+            recs = sorted(by[(cfg, rate)], key=lambda r: r["process"])
+            per_step = [max(ts) for ts in zip(*(r["times_s"] for r in recs), strict=True)]
+            median = statistics.median(per_step)
+            link = sum(r["tx_bytes"] for r in recs) / recs[0]["steps"]
+            if cfg == "zero3":
+                base = median
+            rows.append(
+                dict(
+                    rate=rate,
+                    config=cfg,
+                    step_s=median,
+                    step_min_s=min(per_step),
+                    step_max_s=max(per_step),
+                    link_mb_per_step=link / 1e6,
+                    mb_node0_to_node1=recs[0]["tx_bytes"] / recs[0]["steps"] / 1e6,
+                    mb_node1_to_node0=recs[1]["tx_bytes"] / recs[1]["steps"] / 1e6,
+                    link_mbit_per_s=link * 8 / 1e6 / median,
+                    speedup=None if base is None else base / median,
+                    steps=recs[0]["steps"],
+                    params=recs[0]["params"],
+                    loss=recs[0]["loss"],
+                )
+            )
+    return rows
+
+
+def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str) -> list[str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    csv_path = out_dir / f"{name}.csv"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    paths.append(str(csv_path))
+
+    head = "| link rate | config | step time, median (s) | cross-node MB/step | speedup |"
+    lines = [f"# Emulated two-node cluster: ZeRO-3 vs ZeRO++\n\n{meta}\n", head]
+    lines.append("|---|---|---:|---:|---:|")
+    for r in rows:
+        speedup = (
+            "1.00x (baseline)"
+            if r["config"] == "zero3"
+            else ("n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x")
+        )
+        lines.append(
+            f"| {rate_label(r['rate'])} | {CONFIG_LABELS.get(r['config'], r['config'])} | "
+            f"{r['step_s']:.3f} | {r['link_mb_per_step']:.1f} | {speedup} |"
+        )
+    lines.append(
+        "\nStep time: per step the slower process, median over the timed steps. Cross-node "
+        "MB/step: bytes sent on the veth pair by both sides (`tx_bytes`), per step, "
+        "collectives and all protocol overhead included. Speedup: ZeRO-3 step time over "
+        "the config's, at the same rate."
+    )
+    md_path = out_dir / f"{name}.md"
+    md_path.write_text("\n".join(lines) + "\n")
+    paths.append(str(md_path))
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return paths
+    rates = list(dict.fromkeys(r["rate"] for r in rows))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / len(configs)
+    for j, cfg in enumerate(configs):
+        sel = {r["rate"]: r for r in rows if r["config"] == cfg}
+        xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(rates))]
+        label = CONFIG_LABELS.get(cfg, cfg)
+        ax0.bar(xs, [sel[r]["step_s"] for r in rates], width, label=label)
+        ax1.bar(xs, [sel[r]["link_mb_per_step"] for r in rates], width, label=label)
+    for ax, title in ((ax0, "step time, median (s)"), (ax1, "cross-node MB per step")):
+        ax.set_xticks(range(len(rates)), [rate_label(r) for r in rates], rotation=20)
+        ax.set_title(title)
+        ax.legend()
+    base = {r["rate"]: r["step_s"] for r in rows if r["config"] == "zero3"}
+    for i, rate in enumerate(rates):
+        for r in rows:
+            if r["rate"] == rate and r["config"] != "zero3" and rate in base:
+                ax0.annotate(
+                    f"{base[rate] / r['step_s']:.1f}x",
+                    (i, base[rate]),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
+    fig.suptitle(meta, fontsize=8)
+    fig.tight_layout()
+    png_path = out_dir / f"{name}.png"
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    paths.append(str(png_path))
+    return paths
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny MLP, 2 steps")
+    p.add_argument("--rates", default=None, help="Mbit/s, comma-separated; inf = no limit")
+    p.add_argument("--configs", default="zero3,zeropp")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per rate (1)")
+    p.add_argument("--width", type=int, default=None, help="MLP width (default 1536)")
+    p.add_argument("--depth", type=int, default=None, help="MLP layers (default 5)")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default 64)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+    p.add_argument("--out-dir", default=str(DEFAULT_OUT))
+    p.add_argument("--name", default=None, help="output file stem (default cluster[_quick])")
+    p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory")
+    return p
+
+
+def _defaults(args: argparse.Namespace) -> argparse.Namespace:
+    quick = dict(rates="200,inf", steps=2, warmup=1, width=256, depth=2, batch=16)
+    full = dict(rates="100,200,400,1000,inf", steps=5, warmup=1, width=1536, depth=5, batch=64)
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.name is None:
+        args.name = "cluster_quick" if args.quick else "cluster"
+    return args
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    args = _defaults(_parser().parse_args(argv))
+    rates = [r.strip() for r in args.rates.split(",")]
+    configs = [c.strip() for c in args.configs.split(",")]
+    for r in rates:
+        if r != "inf" and not (r.replace(".", "", 1).isdigit() and float(r) > 0):
+            print(f"--rates: {r!r} is not a positive number of Mbit/s or 'inf'", file=sys.stderr)
+            return 2
+    if not set(configs) <= set(CONFIG_LABELS):
+        print(f"--configs: {configs}; choose from {sorted(CONFIG_LABELS)}", file=sys.stderr)
+        return 2
+    try:
+        check_available()
+    except Unavailable as e:
+        print(f"run_cluster: cannot run here: {e}", file=sys.stderr)
+        return 2
+
+    from zeropp_jax import launch  # after the checks: imports jax
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started in background
+    topo = Topology.for_run(str(os.getpid()))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="zeropp_cluster_"))
+    worker_args = [
+        "--out", str(tmp), "--rates", ",".join(rates), "--configs", ",".join(configs),
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
+        "--depth", str(args.depth), "--batch", str(args.batch),
+    ]  # fmt: skip
+    coordinator = f"{topo.addresses[0]}:{COORDINATOR_PORT}"
+    envs = [
+        launch.worker_env(
+            process_id=i,
+            num_processes=2,
+            coordinator=coordinator,
+            local_devices=LOCAL_DEVICES,
+            heartbeat_timeout=30,  # heartbeats cross the shaped link too
+            base=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )
+        for i in range(2)
+    ]
+    try:
+        setup(topo)
+        print(f"namespaces {topo.namespaces} joined by {topo.ifaces}; logs in {tmp}", flush=True)
+        result = launch.supervise(
+            worker_commands(topo, tmp, worker_args),
+            envs,
+            timeout=args.timeout,
+            log_dir=str(tmp / "logs"),
+            echo=sys.stdout,
+        )
+    except KeyboardInterrupt as e:
+        print(f"run_cluster: interrupted ({e}); workers killed, logs in {tmp}", file=sys.stderr)
+        return 130
+    finally:
+        errors = teardown(topo)
+        for e in errors:
+            print(f"teardown: {e}", file=sys.stderr)
+    if result.returncode:
+        print(result.report(40), file=sys.stderr)
+        return result.returncode
+    records = []
+    for i in range(2):
+        records += json.loads((tmp / f"process_{i}.json").read_text())
+    rows = summarize(records, configs, rates)
+    meta = (
+        f"MLP {args.depth} x {args.width} ({rows[0]['params'] / 1e6:.1f}M parameters), global "
+        f"batch {args.batch}; 2 processes x {LOCAL_DEVICES} CPU devices on {os.cpu_count()} "
+        f"cores ({platform.machine()}); median of {args.steps} steps after {args.warmup} "
+        "warm-up; link shaped with tc tbf in each direction."
+    )
+    for path in write_results(rows, pathlib.Path(args.out_dir), args.name, meta):
+        print(f"wrote {path}")
+    print((pathlib.Path(args.out_dir) / f"{args.name}.md").read_text())
+    if not args.keep_logs:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
