@@ -127,6 +127,19 @@ def _node_major(stacked: jax.Array, num_nodes: int, local_size: int) -> jax.Arra
 # --------------------------------------------------------------------------- gathers
 
 
+def _all_gather(x: jax.Array, axis_name: AxisName, *, tiled: bool, alternate: bool) -> jax.Array:
+    """`lax.all_gather(x, axis_name, tiled=tiled)`, or with `alternate` the same collective
+    (same bytes on the wire, same result) emitted the other way: a stacked gather plus a
+    reshape for a tiled one, a tiled gather plus a reshape for a stacked one. The two forms
+    lower to different HLO, so XLA's CSE cannot merge a remat re-gather (one form) with the
+    forward gather (the other form); see `gather_weight`."""
+    if not alternate:
+        return lax.all_gather(x, axis_name, tiled=tiled)
+    if tiled:
+        return lax.all_gather(x, axis_name).reshape(-1, *x.shape[1:])
+    return lax.all_gather(x, axis_name, tiled=True).reshape(_group_size(axis_name), *x.shape)
+
+
 def all_gather_quantized(
     x: jax.Array,
     *,
@@ -224,6 +237,7 @@ def gather_from_secondary(
     bits: int | None,
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
+    alternate_form: bool = False,
 ) -> jax.Array:
     """Stage 2 of the hierarchical gather: the full array from the secondary shard.
 
@@ -234,15 +248,19 @@ def gather_from_secondary(
       bits: as given to `secondary_gather`.
       local_axis: name of the intra-node mesh axis.
       codec: block quantization implementation.
+      alternate_form: emit the gathers in their alternate form (see `_all_gather`).
 
     Returns:
       `(N * rows, ...)` in `dtype`, in partition order.
     """
+    gather = functools.partial(
+        _all_gather, axis_name=local_axis, tiled=True, alternate=alternate_form
+    )
     if bits is None:
-        return from_wire(lax.all_gather(wire[0], local_axis, tiled=True), dtype)
+        return from_wire(gather(wire[0]), dtype)
     values, scales = wire
-    gv = lax.all_gather(values, local_axis, tiled=True)
-    gs = lax.all_gather(scales, local_axis, tiled=True)
+    gv = gather(values)
+    gs = gather(scales)
     return unblock(_dequantize(gv, gs, bits, dtype, codec), shard_shape)
 
 
@@ -254,6 +272,7 @@ def flat_all_gather(
     node_axis: str = "node",
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
+    alternate_form: bool = False,
 ) -> jax.Array:
     """ZeRO-3's gather: one collective over both axes in node-major device order (the
     order of DeepSpeed's ranks), then a local reorder into partition order.
@@ -265,19 +284,21 @@ def flat_all_gather(
       node_axis: name of the inter-node mesh axis.
       local_axis: name of the intra-node mesh axis.
       codec: block quantization implementation.
+      alternate_form: emit the gathers in their alternate form (see `_all_gather`).
 
     Returns:
       `(N * rows, ...)` in `x.dtype`, in partition order.
     """
     nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
     axes = (node_axis, local_axis)
+    gather = functools.partial(_all_gather, axis_name=axes, tiled=False, alternate=alternate_form)
     if bits is None:
-        stacked = lax.all_gather(to_wire(x), axes)
+        stacked = gather(to_wire(x))
         return from_wire(_piece_order(stacked, nn, ll), x.dtype).reshape(-1, *x.shape[1:])
     check_bits(bits, block_size)
     values, scales = _quantize(shard_blocks(x, 1, block_size)[0], bits, codec)
-    gv = _piece_order(lax.all_gather(values, axes), nn, ll)
-    gs = _piece_order(lax.all_gather(scales, axes), nn, ll)
+    gv = _piece_order(gather(values), nn, ll)
+    gs = _piece_order(gather(scales), nn, ll)
     return unblock(_dequantize(gv, gs, bits, x.dtype, codec), x.shape)
 
 
@@ -468,25 +489,19 @@ class GatherSpec:
     codec: Codec = XLA_CODEC
 
 
-def _gather_forward(x: jax.Array, spec: GatherSpec) -> jax.Array:
-    xc = x.astype(spec.dtype)
-    if spec.hierarchical:
-        wire = secondary_gather(
-            xc, bits=spec.weight_bits, block_size=spec.weight_block_size, codec=spec.codec
-        )
-        wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
-        return gather_from_secondary(
-            wire, x.shape, spec.dtype, bits=spec.weight_bits, codec=spec.codec
-        )
-    return flat_all_gather(
-        xc, bits=spec.weight_bits, block_size=spec.weight_block_size, codec=spec.codec
-    )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def gather_weight(x: jax.Array, spec: GatherSpec) -> jax.Array:
     """Gathers a weight shard for compute; its gradient leaves through the matching
     reduction (qgZ when `spec.grad_bits` is set).
+
+    With hpZ, stage 1 (the secondary shard, in wire form) is computed here and named
+    `SECONDARY_NAME`, so a remat policy can save it; stage 2 runs inside a custom VJP.
+
+    Under `jax.checkpoint` the backward pass re-gathers the weight. The custom VJP is
+    declared with `optimize_remat=True`: the forward pass runs its primal function and the
+    recompute runs its `fwd` rule, which emit the gather in two equivalent forms (see
+    `_all_gather`); identical instructions would be merged by XLA's CSE once the remat
+    barriers are expanded (XLA's CPU pipeline), keeping every full weight alive from the
+    forward to the backward pass. The wire bytes and the values are the same.
 
     Args:
       x: per-device float32 master shard `(rows, ...)` in partition layout.
@@ -496,18 +511,62 @@ def gather_weight(x: jax.Array, spec: GatherSpec) -> jax.Array:
       `(N * rows, ...)` in `spec.dtype`. The cotangent of `x` is the float32 sum over all
       devices of their gradients for this device's piece.
     """
-    return _gather_forward(x, spec)
+    wire: tuple[jax.Array, ...] = ()
+    if spec.hierarchical:
+        xc = lax.stop_gradient(x).astype(spec.dtype)
+        wire = secondary_gather(
+            xc, bits=spec.weight_bits, block_size=spec.weight_block_size, codec=spec.codec
+        )
+        wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
+    return _gather_full(x, wire, spec)
 
 
-def _gather_weight_fwd(x: jax.Array, spec: GatherSpec) -> tuple[jax.Array, None]:
-    return _gather_forward(x, spec), None
+def _gather_from(
+    x: jax.Array, wire: tuple[jax.Array, ...], spec: GatherSpec, alternate_form: bool
+) -> jax.Array:
+    if spec.hierarchical:
+        return gather_from_secondary(
+            wire,
+            x.shape,
+            spec.dtype,
+            bits=spec.weight_bits,
+            codec=spec.codec,
+            alternate_form=alternate_form,
+        )
+    return flat_all_gather(
+        x.astype(spec.dtype),
+        bits=spec.weight_bits,
+        block_size=spec.weight_block_size,
+        codec=spec.codec,
+        alternate_form=alternate_form,
+    )
 
 
-def _gather_weight_bwd(spec: GatherSpec, _: None, g: jax.Array) -> tuple[jax.Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather_full(x: jax.Array, wire: tuple[jax.Array, ...], spec: GatherSpec) -> jax.Array:
+    """The full weight from the shard `x` (flat) or from the secondary `wire` (hpZ)."""
+    return _gather_from(x, wire, spec, alternate_form=False)
+
+
+def _gather_full_fwd(
+    x: jax.Array, wire: tuple[jax.Array, ...], spec: GatherSpec
+) -> tuple[jax.Array, jax.Array]:
+    # The residual `-0.0` (x + -0.0 == x for every float x, signed zeros and NaN included)
+    # is what makes `optimize_remat` pick this rule for the recompute: JAX replaces a
+    # `fwd` whose residuals are unused by the primal function, which is what happens in
+    # the forward pass, where the policy saves no residual of this call.
+    return _gather_from(x, wire, spec, alternate_form=True), jnp.array(-0.0, jnp.float32)
+
+
+def _gather_full_bwd(
+    spec: GatherSpec, negative_zero: jax.Array, g: jax.Array
+) -> tuple[jax.Array, None]:
     kw = dict(bits=spec.grad_bits, block_size=spec.grad_block_size, codec=spec.codec)
     if spec.two_hop:
-        return (two_hop_reduce_scatter(g, **kw),)
-    return (flat_reduce_scatter(g, **kw),)
+        dx = two_hop_reduce_scatter(g, **kw)
+    else:
+        dx = flat_reduce_scatter(g, **kw)
+    return dx + negative_zero, None
 
 
-gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)
+_gather_full.defvjp(_gather_full_fwd, _gather_full_bwd, optimize_remat=True)
