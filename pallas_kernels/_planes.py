@@ -17,6 +17,8 @@ differs from the source text); see `_tiling.py` for the Triton-specific precauti
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,21 @@ _ABS_MASK = np.int32(0x7FFFFFFF)
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = np.float32(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
 _BIG_SCALE = 2.0**126  # a scale at least this large has a subnormal reciprocal
+# Scales are rounded up to `quant.SCALE_BITS` = 16 significant bits (so that `q * scale` is
+# exact): their low 8 mantissa bits are zero, and `_max_scale` caps them near the top.
+_SCALE_BITS = 16
+_SCALE_LOW = 2 ** (24 - _SCALE_BITS) - 1
+
+
+def _max_scale(m: int) -> float:
+    """`zeropp_jax.quant.max_scale`: the largest float32 of `_SCALE_BITS` significant bits
+    whose product with `qmax = m` is finite."""
+    v = _F32_MAX / m
+    ulp = 2.0 ** (math.frexp(v)[1] - _SCALE_BITS)
+    s = math.floor(v / ulp) * ulp
+    while m * s > _F32_MAX:
+        s -= ulp
+    return s
 
 
 def layout(bits: int, block_size: int, kf: int) -> tuple[int, int]:
@@ -152,8 +169,9 @@ def quantize_fine_planes(
 
     Returns integer-valued float32 planes in `[-qmax, qmax]` and float32 scales `(rows,)`,
     computed as `zeropp_jax.quant.quantize_blocks` does: absmax over the bits of `|x|`;
-    `scale = absmax * fl(1 / qmax)`, at least `2**-126` when absmax > 0, one ulp smaller
-    where `qmax * scale` would overflow; `safe = scale or 1`, pre-scaled by `2**-63` with
+    `scale = absmax * fl(1 / qmax)`, at least `2**-126` when absmax > 0, then (if positive
+    and finite) rounded up to 16 significant bits and capped where `qmax * scale` would
+    overflow; `safe = scale or 1`, pre-scaled by `2**-63` with
     `x` when `safe >= 2**126` (2 bits only); `q = clip(round(x * fl(1 / safe)))` (ties to
     even) or `clip(floor(x * fl(1 / safe) + noise))`, and 0 where that is NaN.
     """
@@ -170,11 +188,11 @@ def quantize_fine_planes(
     absmax = jax.lax.bitcast_convert_type(amax_bits, jnp.float32)
     scales = absmax * (np.float32(1) / fm)
     scales = jnp.where(absmax > 0, jnp.maximum(scales, _F32_TINY), scales)
-    overflow = jnp.isfinite(absmax) & jnp.isinf(scales * fm)
-    one_ulp_down = jax.lax.bitcast_convert_type(  # positive finite here: exact nextafter
-        jax.lax.bitcast_convert_type(scales, jnp.int32) - 1, jnp.float32
-    )
-    scales = jnp.where(overflow, one_ulp_down, scales)
+    raw = jax.lax.bitcast_convert_type(scales, jnp.int32)
+    up = jax.lax.bitcast_convert_type((raw + _SCALE_LOW) & ~_SCALE_LOW, jnp.float32)
+    cap = np.float32(_max_scale(m))
+    up = jnp.where(up > cap, cap, up)
+    scales = jnp.where(jnp.isfinite(scales) & (scales > np.float32(0)), up, scales)
     safe = jnp.where(scales > 0, scales, np.float32(1))
     pre = None
     if m * _BIG_SCALE <= _F32_MAX:  # only a 2-bit scale can reach 2**126
@@ -202,9 +220,8 @@ def dequantize_sum_fine_planes(
 
     Written as the reference is: `acc = p0; acc = acc + p_g`. Compilers may contract
     `acc + q * s` into an FMA (XLA:CPU does, and on the first add it fuses `p0` or `p1`
-    depending on G), so the last bit can differ from the reference when a product `q * s`
-    is inexact; it is exact, and the sum the same everywhere, when scales have at most
-    `25 - bits` significant bits (`|q| <= 2**(bits-1) - 1` takes `bits - 1` of float32's 24)."""
+    depending on G); that cannot change a bit, since every product is exact: scales have at
+    most 16 significant bits and `|q| <= 2**7` at most 8 (see `quantize_fine_planes`)."""
     acc = None
     for g in range(v_ref.shape[0]):
         q = unpack_fine_planes(v_ref, bits=bits, kf=kf, mask=mask, lead=(g,))

@@ -46,9 +46,10 @@ def dequantize_sum_blocks(
     Returns:
       float32 `(num_blocks, block_size)`.
 
-    The fold is `acc + q * s`; where the compiler contracts it into an FMA differently from
+    The fold is `acc + q * s`; the compiler may contract it into an FMA differently from
     how XLA compiles the reference (XLA:CPU fuses a G-dependent product into the first add)
-    the last bit may differ, unless each `q * s` is exact (see `_planes.py`).
+    without changing a bit, since each `q * s` is exact for scales of at most 16 significant
+    bits, as every scale the quantizers produce (see `_planes.py`).
     """
     if isinstance(bits, bool) or bits not in _tiling.BITS:
         raise ValueError(f"bits={bits!r} is not supported; expected one of {_tiling.BITS}.")

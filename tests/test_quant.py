@@ -232,14 +232,34 @@ def test_round_trip_within_half_step(bits):
             assert (q.bits, q.block_size, q.shape, q.size) == (bits, block_size, (size,), size)
 
 
+def np_round_up_scale(s) -> np.ndarray:
+    """Independent model of the scale rounding: positive float32 `s` rounded up to
+    `quant.SCALE_BITS` significant bits, in float64 arithmetic (exact at these sizes)."""
+    s = np.asarray(s, np.float64)
+    ulp = 2.0 ** (np.floor(np.log2(s)) - (quant.SCALE_BITS - 1))
+    return np.ceil(s / ulp) * ulp
+
+
 def test_scales_are_absmax_over_qmax():
-    """In the normal range the wire scale is `absmax / qmax` to float32 rounding: it is
-    `absmax * fl(1 / qmax)`, two roundings, a relative error below `2u + u**2 < 3u`."""
+    """In the normal range the wire scale is `absmax / qmax` rounded up to `SCALE_BITS`
+    significant bits. Bound derived again for the rounding up (the scale was
+    `fl(absmax * fl(1 / qmax))` alone before, within `3u` of `absmax / qmax` either way):
+    that product is two roundings, within a factor `(1 +- u)**2` of `absmax / qmax`;
+    rounding up to 16 significant bits adds a factor in `[1, 1 + 2**-15)`. So
+    `(1 - 3u) e <= scale <= (1 + 2**-15 + 3u) e` with `e = absmax / qmax`; and the scale is
+    exactly that product rounded up, with at most 16 significant bits."""
+    assert quant.SCALE_BITS == 16
     x = sample("signed_lognormal", 1000, np.random.default_rng(0))
     absmax = np.abs(np.pad(x, (0, 24)).reshape(-1, 64)).max(axis=-1).astype(np.float64)
     for bits, (q, _) in qdq_all_bits(jnp.asarray(x), block_size=64).items():
         expected = absmax / quant.qmax(bits)
-        assert_within(np.abs(f64(q.scales) - expected), 3 * U * expected, f"{bits} bits")
+        got = f64(q.scales)
+        assert_within(expected * (1 - 3 * U) - got, 0.0, f"{bits} bits, below")
+        assert_within(got - expected, (2.0**-15 + 3 * U) * expected, f"{bits} bits, above")
+        product = absmax.astype(np.float32) * (np.float32(1) / np.float32(quant.qmax(bits)))
+        np.testing.assert_array_equal(got, np_round_up_scale(product), err_msg=f"{bits} bits")
+        mantissa = np.frexp(got)[0] * 2.0**quant.SCALE_BITS  # an integer: <= 16 bits
+        np.testing.assert_array_equal(mantissa, np.round(mantissa))
 
 
 def test_round_to_nearest_ties_to_even():
@@ -625,6 +645,36 @@ def test_dequantize_sum_blocks(g, bits):
     if g == 1:  # nothing to add: exactly dequantize_blocks
         one = dequantize_blocks(values[0], scales[0], bits=bits)
         np.testing.assert_array_equal(got, np.asarray(one))
+
+
+@pytest.mark.parametrize(("g", "bits"), [(2, 8), (3, 4), (4, 2), (5, 8), (8, 4)])
+def test_dequantize_sum_blocks_compiled_is_bit_exact(g, bits):
+    """Scales have at most 16 significant bits, so every `q * scale` is exact and an FMA
+    contraction of `acc + q * scale` (XLA:CPU's, which depends on G) changes no bit: the
+    compiled sum is the op-by-op sum is the numpy float32 sum, left to right, to the bit.
+    The sets are of mixed magnitudes, so that the sums cancel in places."""
+    values, scales = stacked_sets(g, bits, seed=100 + g)
+    mantissa = np.frexp(f64(scales))[0] * 2.0**quant.SCALE_BITS
+    np.testing.assert_array_equal(mantissa, np.round(mantissa))
+    compiled = np.asarray(dequantize_sum_blocks(values, scales, bits=bits))
+    eager = np.asarray(quant.dequantize_sum_blocks(values, scales, bits=bits))
+    expected = functools.reduce(np.add, list(np_dequantize_blocks(values, scales, bits)))
+    np.testing.assert_array_equal(eager, expected)
+    np.testing.assert_array_equal(compiled, expected)
+
+
+def test_max_scale_keeps_qmax_times_scale_finite():
+    """The cap is a 16-bit float whose product with qmax is finite, and the next 16-bit
+    float up is not; a block at the float32 maximum gets it as its scale."""
+    top = np.float32(np.finfo(np.float32).max)
+    for bits in ALL_BITS:
+        m, cap = quant.qmax(bits), quant.max_scale(bits)
+        mantissa, exponent = np.frexp(cap)
+        assert mantissa * 2.0**quant.SCALE_BITS == round(mantissa * 2.0**quant.SCALE_BITS)
+        assert np.isfinite(np.float32(m) * np.float32(cap))
+        assert m * (cap + 2.0 ** (exponent - quant.SCALE_BITS)) > float(top)
+        got = quant.block_scales(jnp.asarray([top, np.nextafter(top, 0)], jnp.float32), bits)
+        np.testing.assert_array_equal(np.asarray(got), np.float32(cap))
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,12 @@
 """Block quantization: the reference (plain jnp) quantizer every collective uses.
 
 Symmetric absmax per block of `block_size` consecutive values: `scale = absmax / qmax` with
-`qmax = 2**(bits-1) - 1` (kept normal: see `block_scales`), `q = round(x / scale)` in
-`[-qmax, qmax]`, `x ~= q * scale`. The round-trip error of a value is at most half a step,
-`scale / 2`, with round-to-nearest (plus float32 rounding of the arithmetic).
+`qmax = 2**(bits-1) - 1`, rounded up to `SCALE_BITS` significant bits and kept normal (see
+`block_scales`), `q = round(x / scale)` in `[-qmax, qmax]`, `x ~= q * scale`. The
+round-trip error of a value is at most half a step, `scale / 2`, with round-to-nearest (plus
+float32 rounding of the arithmetic). Every product `q * scale` is exact in float32, so
+dequantizing, and summing dequantized values, gives the same bits however a compiler fuses
+the arithmetic (see `dequantize_sum_blocks`).
 
 Wire layout (what a collective moves):
   * 8 bits: `values` is int8 of shape `(num_blocks, block_size)`.
@@ -96,6 +99,25 @@ _F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # 2**-126, the smallest normal f
 _BIG_SCALE = 2.0**126  # a scale at least this large has a subnormal reciprocal
 _ABS_MASK = np.int32(0x7FFFFFFF)  # clears the sign bit of a float32
 
+SCALE_BITS = 16
+"""Significant bits of every finite scale. A packed value is an integer of at most 8 bits
+(`|q| <= 2**7`, at any bit width), so `q * scale` has at most `8 + 16 = 24` significant
+bits: it is exact in float32, whatever `bits` is."""
+
+_SCALE_LOW = 2 ** (24 - SCALE_BITS) - 1  # the float32 mantissa bits a scale leaves zero
+
+
+def max_scale(bits: int) -> float:
+    """Largest float32 of `SCALE_BITS` significant bits whose product with `qmax(bits)`
+    is finite (a Python float; every scale of `block_scales` is at most this)."""
+    m = qmax(bits)
+    v = _F32_MAX / m
+    ulp = 2.0 ** (math.frexp(v)[1] - SCALE_BITS)  # v = f * 2**e, f in [0.5, 1)
+    s = math.floor(v / ulp) * ulp
+    while m * s > _F32_MAX:  # float64 products of these are exact
+        s -= ulp
+    return s
+
 
 def block_absmax(blocks: jax.Array) -> jax.Array:
     """`max(|blocks|)` over the last axis, float32; NaN if the row holds a NaN.
@@ -110,22 +132,38 @@ def block_absmax(blocks: jax.Array) -> jax.Array:
 
 
 def block_scales(absmax: jax.Array, bits: int) -> jax.Array:
-    """Float32 scale of each block from its absmax: `absmax * fl(1 / qmax)`, kept normal.
+    """Float32 scale of each block from its absmax: `absmax * fl(1 / qmax)`, kept normal,
+    rounded up to `SCALE_BITS` significant bits.
 
     The product with the float32 constant `fl(1 / qmax)` (within 2 float32 roundings of
     `absmax / qmax`) is spelled out because XLA compiles a division by a constant either as
     a true division or as this product depending on the array shape, so the same block would
     get a different scale in a different array. A nonzero scale is at least `2**-126`: XLA on
     CPU flushes subnormal results to zero, and a subnormal scale would turn a block of small
-    normal values into zeros. A finite scale is rounded down where `qmax * scale` would
-    overflow to Inf (absmax within a few ulps of the float32 maximum). Zero, NaN and Inf
-    pass through.
+    normal values into zeros.
+
+    The scale is then rounded up (toward larger magnitude, so `|x| * fl(1 / scale)` stays
+    within `qmax` up to float32 rounding) to `SCALE_BITS` significant bits, which makes every
+    product `q * scale` exact in float32 (see `SCALE_BITS`). This costs at most a factor
+    `1 + 2**-15` on the step. `2**-126` has one significant bit, so the minimum stays normal.
+    Near the float32 maximum the rounded scale is capped at `max_scale(bits)` so that
+    `qmax * scale` stays finite: the cap is the largest `SCALE_BITS`-bit float below
+    `fl32max / qmax`, so there `|x| / scale <= qmax * (1 + 2**-15) < qmax + 1/2` and
+    round-to-nearest (then the clip to `qmax`) still errs by at most half a step. Zero, NaN
+    and Inf pass through.
     """
     m = qmax(bits)
     scales = absmax * (np.float32(1) / np.float32(m))
     scales = jnp.where(absmax > 0, jnp.maximum(scales, _F32_TINY), scales)
-    overflow = jnp.isfinite(absmax) & jnp.isinf(scales * m)
-    return jnp.where(overflow, jnp.nextafter(scales, jnp.float32(0)), scales)
+    # For a positive finite float32, rounding its bits up to a multiple of 2**(24 -
+    # SCALE_BITS) rounds the value up to SCALE_BITS significant bits (a carry out of the
+    # mantissa moves to the next power of two; from the largest binade it gives +Inf,
+    # which the cap below replaces).
+    raw = jax.lax.bitcast_convert_type(scales, jnp.int32)
+    up = jax.lax.bitcast_convert_type((raw + _SCALE_LOW) & ~_SCALE_LOW, jnp.float32)
+    cap = np.float32(max_scale(bits))
+    up = jnp.where(up > cap, cap, up)
+    return jnp.where(jnp.isfinite(scales) & (scales > 0), up, scales)
 
 
 def num_blocks(size: int, block_size: int) -> int:
@@ -252,12 +290,12 @@ def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, *, bits: int) ->
 
     Returns:
       float32 `(num_blocks, block_size)`: `sum_g dequantize(values[g], scales[g])`, summed
-      left to right over `g`. Run op by op this is exactly that float32 arithmetic. Under
-      `jit`, XLA may contract a product `q * scale` and the add that follows into one fused
-      multiply-add (XLA:CPU does), which skips the rounding of the product: compiled
-      results may differ from op-by-op ones in the last bits (each result is within
-      `u * (sum_g |q_g * scale_g| + sum_{g>=1} |partial sum_g|)`, `u = 2**-24`, of the exact
-      sum), so compare implementations with that bound, not bit for bit.
+      left to right over `g` in float32. Under `jit`, XLA may contract a product `q * scale`
+      and the add that follows into one fused multiply-add (XLA:CPU does, and which product
+      it contracts depends on `G`); that changes nothing here, because every product is
+      exact in float32 when the scales come from `block_scales` (at most `SCALE_BITS`
+      significant bits): compiled, op by op, or in a Pallas kernel, the result is the same
+      to the last bit.
     """
     acc = dequantize_blocks(values[0], scales[0], bits=bits)
     for g in range(1, values.shape[0]):
