@@ -138,6 +138,50 @@ def test_dequantize_sum_blocks(bits, block_size):
     _assert_bits_equal(got, _sum_ref(values, scales, bits=bits))
 
 
+@pytest.mark.parametrize("groups,bits", [(2, 8), (3, 4), (4, 2), (5, 8), (8, 4)])
+def test_dequantize_sum_blocks_any_group_count(groups, bits):
+    """For every G, the kernel equals the compiled and the op-by-op reference to the bit:
+    scales have at most 16 significant bits, so however `acc + q * s` is contracted into
+    FMAs (XLA:CPU picks a G-dependent product), every product is exact."""
+    values, scales = _stack(60 + groups, groups, 64, bits)
+    got = pk.dequantize_sum_blocks(values, scales, bits=bits, tiling=TILING, interpret=True)
+    _assert_bits_equal(got, _sum_ref(values, scales, bits=bits))
+    _assert_bits_equal(got, quant.dequantize_sum_blocks(values, scales, bits=bits))
+
+
+def test_codec_bundles_the_kernels():
+    for interpret in (False, True):
+        c = pk.codec(interpret=interpret)
+        assert isinstance(c, quant.Codec) and c is pk.codec(interpret)
+        for f in c:
+            assert f.keywords == {"interpret": interpret}
+    assert [f.func for f in pk.codec()] == [
+        pk.quantize_blocks,
+        pk.dequantize_blocks,
+        pk.dequantize_sum_blocks,
+        pk.dequantize_sum_quantize_blocks,
+    ]
+    with pytest.raises(ValueError, match="interpret='yes'"):
+        pk.codec(interpret="yes")
+    # The interpreted codec through the call signatures the collectives use.
+    c = pk.codec(interpret=True)
+    x = _blocks(70, 8, 4)
+    v, s = c.quantize_blocks(x, bits=4)
+    rv, rs = _quantize_ref(x, bits=4)
+    _assert_bits_equal(v, rv)
+    _assert_bits_equal(s, rs)
+    _assert_bits_equal(
+        c.dequantize_blocks(v, s, bits=4, dtype=jnp.bfloat16),
+        _dequantize_ref(rv, rs, bits=4, dtype=jnp.bfloat16),
+    )
+    for g, w in zip(
+        c.dequantize_sum_quantize_blocks(v[None], s[None], bits=4, out_bits=8),
+        _fused_ref(rv[None], rs[None], bits=4, out_bits=8),
+        strict=True,
+    ):
+        _assert_bits_equal(g, w)
+
+
 FUSED = [(8, 8, 8), (8, 4, 64), (8, 2, 256), (4, 8, 256), (4, 4, 8), (4, 2, 64)]
 FUSED += [(2, 8, 64), (2, 4, 256), (2, 2, 8)]
 
@@ -207,7 +251,7 @@ def test_nan_blocks_at_sizes_where_xla_cpu_drops_nan():
 def test_subnormal_and_huge_blocks():
     """Subnormal blocks (XLA:CPU flushes them: the kernel must flush alike), blocks whose
     2-bit scale reaches 2**126 (pre-scaled by 2**-63) and blocks at the float32 maximum
-    (scale one ulp down so that `qmax * scale` stays finite)."""
+    (scale capped at the largest 16-bit scale whose product with qmax is finite)."""
     x = _blocks(50, 64, 2)
     top = np.float32(np.finfo(np.float32).max)
     edge = jnp.asarray(np.resize(np.array([top, -top, top / 3, 1.0], np.float32), (2, 64)))
