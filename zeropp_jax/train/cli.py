@@ -261,11 +261,20 @@ def configure_host_devices(args: argparse.Namespace) -> None:
     """Emulates several CPU devices when the job will run on the CPU.
 
     Sets `--xla_force_host_platform_device_count` in XLA_FLAGS (8 per job by default, or
-    `--local` per process) unless the user set it. Must run before JAX initialises its
+    `--local` per process) unless the user set it, and selects XLA:CPU's memory-minimising
+    scheduler (unless the user chose one). Must run before JAX initialises its
     backends; it changes nothing once they are up.
     """
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags or not _will_run_on_cpu():
+    if not _will_run_on_cpu():
+        return
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+        # XLA:CPU's default scheduler hoists every weight gather (forward and backward
+        # re-gather) to the start of the step, keeping all full weights alive; the
+        # memory-minimising scheduler keeps about one layer's weights (tests/test_memory.py).
+        flags = f"{flags} --xla_cpu_enable_concurrency_optimized_scheduler=false".strip()
+        os.environ["XLA_FLAGS"] = flags
+    if "xla_force_host_platform_device_count" in flags:
         return
     processes = args.num_processes or 1
     if processes > 1:
