@@ -4,9 +4,10 @@ Started by `run_cluster.py`, one process per network namespace, with the `ZEROPP
 variables of `zeropp_jax.launch` (4 CPU devices per process). For each config it builds
 the state and compiles the step once, then for each rate it shapes its own side of the
 veth pair (`tc ... tbf` on its egress, so each direction of the link is shaped by the
-process that sends on it), waits for the other process at a barrier, runs `warmup` steps,
-and times `steps` steps one by one (`block_until_ready`), reading the bytes its interface
-sent and received around the timed steps from `/sys/class/net/<iface>/statistics`.
+process that sends on it), waits for the other process at a barrier, runs `warmup` steps
+of every config, then times `steps` steps of each, the configs alternating step by step
+(`block_until_ready` after each), and reads the bytes its interface sent and received
+around each step from `/sys/class/net/<iface>/statistics`.
 
 Writes `<out>/process_<i>.json`: one record per (config, rate).
 """
@@ -116,54 +117,69 @@ def main(argv=None) -> int:
 
     me = jax.process_index()
     mesh = zpp.make_mesh()
+    names = args.configs.split(",")
     print(f"process {me}: mesh {dict(mesh.shape)}, iface {args.iface}", flush=True)
-    records = []
-    for name in args.configs.split(","):
+    shape_link(args.iface, UNLIMITED, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
+    runs, compile_s = {}, {}
+    for name in names:
         t0 = time.perf_counter()
         state, step, batch = build(name, args.width, args.depth, args.batch, mesh)
-        shape_link(args.iface, UNLIMITED, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
         multihost_utils.sync_global_devices(f"{name} built")
         state, metrics = step(state, batch)  # compile
         jax.block_until_ready((state, metrics))
-        compile_s = time.perf_counter() - t0
-        print(f"process {me}: {name} built and compiled in {compile_s:.1f}s", flush=True)
-        for rate in args.rates.split(","):
-            shape_link(args.iface, rate, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
-            multihost_utils.sync_global_devices(f"{name} {rate}")
-            for _ in range(args.warmup):
-                state, metrics = step(state, batch)
-                jax.block_until_ready((state, metrics))
-            tx0 = read_counter(args.iface, "tx_bytes")
-            rx0 = read_counter(args.iface, "rx_bytes")
-            times = []
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                state, metrics = step(state, batch)
-                jax.block_until_ready((state, metrics))
-                times.append(time.perf_counter() - t)
-            tx = read_counter(args.iface, "tx_bytes") - tx0
-            rx = read_counter(args.iface, "rx_bytes") - rx0
-            loss = float(metrics["loss"].addressable_data(0))
-            rec = dict(
-                process=me,
-                config=name,
-                rate=rate,
-                times_s=times,
-                tx_bytes=tx,
-                rx_bytes=rx,
-                steps=args.steps,
-                params=state.param_count,
-                loss=loss,
-                compile_s=compile_s,
+        compile_s[name] = time.perf_counter() - t0
+        runs[name] = [state, step, batch, metrics]
+        print(f"process {me}: {name} built and compiled in {compile_s[name]:.1f}s", flush=True)
+
+    def one_step(name: str) -> float:
+        state, step, batch, _ = runs[name]
+        t = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready((state, metrics))
+        runs[name][0], runs[name][3] = state, metrics
+        return time.perf_counter() - t
+
+    records = []
+    for rate in args.rates.split(","):
+        shape_link(args.iface, rate, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
+        multihost_utils.sync_global_devices(f"rate {rate}")
+        for _ in range(args.warmup):
+            for name in names:
+                one_step(name)
+        # Configs alternate step by step, so a change in the machine's load hits all alike.
+        times = {name: [] for name in names}
+        sent = dict.fromkeys(names, 0)
+        received = dict.fromkeys(names, 0)
+        for _ in range(args.steps):
+            for name in names:
+                tx0 = read_counter(args.iface, "tx_bytes")
+                rx0 = read_counter(args.iface, "rx_bytes")
+                times[name].append(one_step(name))
+                sent[name] += read_counter(args.iface, "tx_bytes") - tx0
+                received[name] += read_counter(args.iface, "rx_bytes") - rx0
+        for name in names:
+            loss = float(runs[name][3]["loss"].addressable_data(0))
+            records.append(
+                dict(
+                    process=me,
+                    config=name,
+                    rate=rate,
+                    times_s=times[name],
+                    tx_bytes=sent[name],
+                    rx_bytes=received[name],
+                    steps=args.steps,
+                    params=runs[name][0].param_count,
+                    loss=loss,
+                    compile_s=compile_s[name],
+                )
             )
-            records.append(rec)
+            median = sorted(times[name])[len(times[name]) // 2]
             print(
-                f"process {me}: {name} @ {rate} Mbit/s: step {sorted(times)[len(times) // 2]:.3f}s"
-                f" (median of {len(times)}), sent {tx / args.steps / 1e6:.1f} MB/step, "
+                f"process {me}: {name} @ {rate} Mbit/s: step {median:.3f}s (median of "
+                f"{args.steps}), sent {sent[name] / args.steps / 1e6:.1f} MB/step, "
                 f"loss {loss:.4f}",
                 flush=True,
             )
-        del state, step
     shape_link(args.iface, UNLIMITED, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
     with open(os.path.join(args.out, f"process_{me}.json"), "w") as f:
         json.dump(records, f, indent=1)

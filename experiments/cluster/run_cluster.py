@@ -164,6 +164,7 @@ def summarize(records: list[dict], configs: list[str], rates: list[str]) -> list
                     link_mb_per_step=link / 1e6,
                     mb_node0_to_node1=recs[0]["tx_bytes"] / recs[0]["steps"] / 1e6,
                     mb_node1_to_node0=recs[1]["tx_bytes"] / recs[1]["steps"] / 1e6,
+                    link_in_M=link / (2 * recs[0]["params"]),  # M: the model in 16-bit bytes
                     link_mbit_per_s=link * 8 / 1e6 / median,
                     speedup=None if base is None else base / median,
                     steps=recs[0]["steps"],
@@ -184,9 +185,12 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
         writer.writerows(rows)
     paths.append(str(csv_path))
 
-    head = "| link rate | config | step time, median (s) | cross-node MB/step | speedup |"
+    head = (
+        "| link rate | config | step time, median (s) | cross-node MB/step | in units of M "
+        "| speedup |"
+    )
     lines = [f"# Emulated two-node cluster: ZeRO-3 vs ZeRO++\n\n{meta}\n", head]
-    lines.append("|---|---|---:|---:|---:|")
+    lines.append("|---|---|---:|---:|---:|---:|")
     for r in rows:
         speedup = (
             "1.00x (baseline)"
@@ -195,12 +199,14 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
         )
         lines.append(
             f"| {rate_label(r['rate'])} | {CONFIG_LABELS.get(r['config'], r['config'])} | "
-            f"{r['step_s']:.3f} | {r['link_mb_per_step']:.1f} | {speedup} |"
+            f"{r['step_s']:.3f} | {r['link_mb_per_step']:.1f} | {r['link_in_M']:.2f} | "
+            f"{speedup} |"
         )
     lines.append(
         "\nStep time: per step the slower process, median over the timed steps. Cross-node "
         "MB/step: bytes sent on the veth pair by both sides (`tx_bytes`), per step, "
-        "collectives and all protocol overhead included. Speedup: ZeRO-3 step time over "
+        "collectives and all protocol overhead included; M is the model's size in 16-bit "
+        "bytes (2 x parameters). Speedup: ZeRO-3 step time over "
         "the config's, at the same rate."
     )
     md_path = out_dir / f"{name}.md"
@@ -228,7 +234,8 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
     for ax, title in ((ax0, "step time, median (s)"), (ax1, "cross-node MB per step")):
         ax.set_xticks(range(len(rates)), [rate_label(r) for r in rates], rotation=20)
         ax.set_title(title)
-        ax.legend()
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.3)  # room for the legend
+        ax.legend(loc="upper right", fontsize=8, framealpha=1.0)
     base = {r["rate"]: r["step_s"] for r in rows if r["config"] == "zero3"}
     for i, rate in enumerate(rates):
         for r in rows:
@@ -303,6 +310,7 @@ def main(argv=None) -> int:
 
     from zeropp_jax import launch  # after the checks: imports jax
 
+    load_before = os.getloadavg()[0]
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started in background
     topo = Topology.for_run(str(os.getpid()))
@@ -352,7 +360,8 @@ def main(argv=None) -> int:
         f"MLP {args.depth} x {args.width} ({rows[0]['params'] / 1e6:.1f}M parameters), global "
         f"batch {args.batch}; 2 processes x {LOCAL_DEVICES} CPU devices on {os.cpu_count()} "
         f"cores ({platform.machine()}); median of {args.steps} steps after {args.warmup} "
-        "warm-up; link shaped with tc tbf in each direction."
+        "warm-up; link shaped with tc tbf in each direction. Load average (1 min) "
+        f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after."
     )
     for path in write_results(rows, pathlib.Path(args.out_dir), args.name, meta):
         print(f"wrote {path}")
