@@ -86,8 +86,9 @@ def global_batch(step: int):
     return {"x": x, "y": y}
 
 
-def train(config_name: str, steps: int, *, die_process=None, die_after=None):
-    """Trains `steps` steps on `zpp.make_mesh()` (2 x 4 in one process of 8 devices).
+def train(config_name: str, steps: int, *, mesh=None, die_process=None, die_after=None):
+    """Trains `steps` steps on `mesh`: by default one node per process (the launcher
+    emulates one node per process on one machine), 2 x 4 in one process of 8 devices.
 
     Returns:
       (params as {path: np.ndarray}, np.ndarray (steps, 2) of [loss, gradient norm]).
@@ -98,7 +99,9 @@ def train(config_name: str, steps: int, *, die_process=None, die_after=None):
     import zeropp_jax as zpp
     from zeropp_jax.train.data import batch_sharding, local_rows, make_global_batch
 
-    mesh = zpp.make_mesh() if jax.process_count() > 1 else zpp.make_mesh(2, 4)
+    if mesh is None:
+        n = jax.process_count()
+        mesh = zpp.make_mesh(num_nodes=n) if n > 1 else zpp.make_mesh(2, 4)
     config, tx = runs()[config_name]
     model = _model()
     params = model.init(jax.random.key(SEED), np.zeros((1, FEATURES), np.float32))["params"]

@@ -7,7 +7,9 @@ address (`127.0.0.1:<port>`; a free port unless `--port` is given), the process 
 process id and its local device count (`ZEROPP_*` variables below), and `XLA_FLAGS` with
 `--xla_force_host_platform_device_count=<local>` so that, on CPU, each process has `local`
 emulated devices. A worker calls `initialize_from_env()` before touching any JAX device;
-`zeropp_jax.make_mesh()` then makes one node per process.
+`zeropp_jax.make_mesh(num_nodes=jax.process_count())` then makes one node per process (the
+processes share this machine's host name, so `make_mesh()` alone makes them one node; pass
+`host_name=` to emulate hosts instead, as tests/test_topology.py does).
 
 The launcher waits for all processes, each with its output captured to a log file. When one
 fails, or the time limit passes, it SIGKILLs the others (JAX catches SIGTERM, so SIGTERM may

@@ -8,8 +8,8 @@ throughput and the communication ledger of one step against plain ZeRO-3.
 
 Run `zeropp-train --help` for the flags. Under `jax.distributed` (`--coordinator`,
 `--num-processes`, `--process-id`; `--distributed` to auto-detect a cluster; or started by
-`python -m zeropp_jax.launch`) each process is one node of the mesh and feeds only its own
-rows of every batch.
+`python -m zeropp_jax.launch`) each host is one node of the mesh (under the loopback
+launcher, each process) and each process feeds only its own rows of every batch.
 
 Outputs under `--out`: `run.json` (the flags), `metrics.jsonl` (one line per step and per
 evaluation), `summary.json`, and `checkpoints/step_<n>`.
@@ -131,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nodes",
         type=_positive,
         default=None,
-        help="size of the 'node' axis (default: 2 on emulated CPU devices, "
-        "else the number of processes)",
+        help="size of the 'node' axis (default: 2 on emulated CPU devices, one per process "
+        "under zeropp_jax.launch, else one per host)",
     )
     g.add_argument(
         "--local",
@@ -324,6 +324,14 @@ def zeropp_config(args: argparse.Namespace):
     )
 
 
+def _launched_on_loopback(args: argparse.Namespace) -> bool:
+    """Whether `python -m zeropp_jax.launch` started this process (and no flag overrides it)."""
+    from zeropp_jax import launch
+
+    started = launch.ENV_COORDINATOR in os.environ
+    return started and args.coordinator is None and not args.distributed
+
+
 def make_mesh(args: argparse.Namespace):
     """The `('node', 'local')` mesh the flags describe (defaults: see `--nodes`)."""
     import jax
@@ -332,7 +340,9 @@ def make_mesh(args: argparse.Namespace):
 
     nodes, local = args.nodes, args.local
     if jax.process_count() > 1:
-        if local is None and nodes is None:
+        # Under `python -m zeropp_jax.launch` every process emulates one node on this one
+        # machine; on a real cluster make_mesh finds the hosts (one node per host).
+        if local is None and nodes is None and _launched_on_loopback(args):
             nodes = jax.process_count()
     elif nodes is None and local is None and jax.default_backend() == "cpu":
         n = jax.device_count()
