@@ -33,6 +33,8 @@ SECONDARY_NAME = "zeropp_secondary"
 """`checkpoint_name` of the hpZ secondary shard (quantized values and scales, or raw bits)."""
 
 AxisName = str | tuple[str, ...]
+Format = int | str
+"""A quantization format: 8, 4 or 2 bits, or "e4m3" (see `zeropp_jax.quant`)."""
 
 
 # --------------------------------------------------------------------------- wire helpers
@@ -94,15 +96,22 @@ def unblock(blocks: jax.Array, piece_shape: Sequence[int]) -> jax.Array:
     return flat.reshape(pieces * piece_shape[0], *piece_shape[1:])
 
 
-def _quantize(blocks: jax.Array, bits: int, codec: Codec) -> tuple[jax.Array, jax.Array]:
-    """Quantizes `(..., nb, block_size)` blocks; values `(..., nb, bytes)`, scales `(..., nb)`."""
+def _quantize(
+    blocks: jax.Array, bits: Format, codec: Codec, key: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Quantizes `(..., nb, block_size)` blocks; values `(..., nb, bytes)`, scales `(..., nb)`.
+    With `key`, rounds stochastically."""
     lead = blocks.shape[:-1]
-    values, scales = codec.quantize_blocks(blocks.reshape(-1, blocks.shape[-1]), bits=bits)
+    flat = blocks.reshape(-1, blocks.shape[-1])
+    if key is None:
+        values, scales = codec.quantize_blocks(flat, bits=bits)
+    else:
+        values, scales = codec.quantize_blocks(flat, bits=bits, key=key)
     return values.reshape(*lead, -1), scales.reshape(lead)
 
 
 def _dequantize(
-    values: jax.Array, scales: jax.Array, bits: int, dtype: jnp.dtype, codec: Codec
+    values: jax.Array, scales: jax.Array, bits: Format, dtype: jnp.dtype, codec: Codec
 ) -> jax.Array:
     """Dequantizes `(..., nb, bytes)` values into `(..., nb, block_size)` of `dtype`."""
     flat = codec.dequantize_blocks(
@@ -175,8 +184,9 @@ def all_gather_quantized(
 def hierarchical_all_gather(
     x: jax.Array,
     *,
-    bits: int | None,
+    bits: Format | None,
     block_size: int,
+    local_bits: Format | None | str = "same",
     node_axis: str = "node",
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
@@ -184,22 +194,31 @@ def hierarchical_all_gather(
     """hpZ + qwZ: two-stage gather, over `node` (the secondary shard) then over `local`.
 
     The shard is quantized once; the quantized secondary shard is what the second stage
-    gathers, so there is a single quantization event.
+    gathers, so there is a single quantization event. With a `local_bits` other than
+    `bits`, the secondary shard is re-quantized for the second stage (see
+    `requantize_secondary`): a second quantization event on every value of the full array.
 
     Args:
       x: per-device shard `(rows, ...)` in the `('local', 'node')` partition layout.
-      bits: 8, 4, 2, or None (unquantized; 16-bit floats as uint16 bits).
+      bits: format of stage 1 (over `node`): 8, 4, 2, "e4m3", or None (unquantized;
+        16-bit floats as uint16 bits).
       block_size: values per quantization block.
+      local_bits: format of stage 2 (over `local`); "same" uses `bits`.
       node_axis: name of the inter-node mesh axis.
       local_axis: name of the intra-node mesh axis.
       codec: block quantization implementation.
 
     Returns:
-      `(secondary, full)`: `(num_nodes * rows, ...)` and `(N * rows, ...)` in `x.dtype`.
+      `(secondary, full)`: `(num_nodes * rows, ...)` and `(N * rows, ...)` in `x.dtype`;
+      `secondary` is the stage-1 result.
     """
     wire = secondary_gather(x, bits=bits, block_size=block_size, node_axis=node_axis, codec=codec)
+    stage2 = requantize_secondary(
+        wire, x.shape, x.dtype, bits=bits, local_bits=local_bits, block_size=block_size, codec=codec
+    )
+    stage2_bits = bits if local_bits == "same" else local_bits
     full = gather_from_secondary(
-        wire, x.shape, x.dtype, bits=bits, local_axis=local_axis, codec=codec
+        stage2, x.shape, x.dtype, bits=stage2_bits, local_axis=local_axis, codec=codec
     )
     if bits is None:
         secondary = from_wire(wire[0], x.dtype)
@@ -227,6 +246,50 @@ def secondary_gather(
     check_bits(bits, block_size)
     values, scales = _quantize(shard_blocks(x, 1, block_size)[0], bits, codec)
     return lax.all_gather(values, node_axis), lax.all_gather(scales, node_axis)
+
+
+def requantize_secondary(
+    wire: tuple[jax.Array, ...],
+    shard_shape: Sequence[int],
+    dtype: jnp.dtype,
+    *,
+    bits: Format | None,
+    local_bits: Format | None | str,
+    block_size: int,
+    codec: Codec = XLA_CODEC,
+) -> tuple[jax.Array, ...]:
+    """The secondary shard in the wire form of stage 2 (per-hop weight precision).
+
+    `local_bits="same"` (or equal to `bits`) returns `wire` as it is: stage 2 gathers the
+    quantized secondary shard, one quantization event in all. Any other format dequantizes
+    the secondary shard to `dtype` and quantizes it again (each of its `num_nodes` pieces
+    in its own blocks), so every weight value goes through a second quantization event
+    (round-trip errors add: stage 1's plus stage 2's, the latter on the dequantized value).
+    No communication.
+
+    Args:
+      wire: output of `secondary_gather` with `bits`.
+      shard_shape: per-device shard shape `(rows, ...)`.
+      dtype: compute dtype of the weights.
+      bits: format of `wire`.
+      local_bits: format of stage 2, or "same".
+      block_size: values per quantization block for stage 2.
+      codec: block quantization implementation.
+
+    Returns:
+      The secondary shard as `secondary_gather` would give it for `local_bits`.
+    """
+    if local_bits == "same" or local_bits == bits:
+        return wire
+    if bits is None:
+        secondary = from_wire(wire[0], dtype)
+    else:
+        secondary = unblock(_dequantize(*wire, bits, dtype, codec), shard_shape)
+    if local_bits is None:
+        return (to_wire(secondary),)
+    check_bits(local_bits, block_size)
+    nn = secondary.shape[0] // shard_shape[0]
+    return _quantize(shard_blocks(secondary, nn, block_size), local_bits, codec)
 
 
 def gather_from_secondary(
@@ -317,9 +380,10 @@ def reduce_scatter_quantized(
     x: jax.Array,
     *,
     axis_name: AxisName,
-    bits: int | None,
+    bits: Format | None,
     block_size: int,
     codec: Codec = XLA_CODEC,
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """Quantized reduce-scatter: quantize once, all-to-all, dequantize and sum in float32.
 
@@ -331,6 +395,8 @@ def reduce_scatter_quantized(
         input travels as uint16 bits through an all-to-all and is summed in float32.
       block_size: values per quantization block (blocks never straddle two chunks).
       codec: block quantization implementation.
+      key: a PRNG key for stochastic rounding, used as given (the caller makes it differ
+        per device); None rounds to nearest.
 
     Returns:
       float32 `(rows, ...)`: the sum over the group of this device's chunk.
@@ -349,7 +415,7 @@ def reduce_scatter_quantized(
             return _fold_sum(from_wire(received, x.dtype)).reshape(rows_shape)
         return lax.psum_scatter(x.astype(jnp.float32), axis_name, tiled=True)
     check_bits(bits, block_size)
-    values, scales = _quantize(shard_blocks(x, g, block_size), bits, codec)
+    values, scales = _quantize(shard_blocks(x, g, block_size), bits, codec, key)
     rv = lax.all_to_all(values, axis_name, 0, 0)
     rs = lax.all_to_all(scales, axis_name, 0, 0)
     summed = codec.dequantize_sum_blocks(rv, rs, bits=bits)
@@ -385,50 +451,74 @@ def flat_reduce_scatter(
     )
 
 
+def hop_keys(
+    key: jax.Array | None, *, node_axis: str = "node", local_axis: str = "local"
+) -> tuple[jax.Array | None, jax.Array | None]:
+    """Stochastic-rounding keys of this device for hop 1 and hop 2.
+
+    `key` is the same on every device (in the engine: from the base seed, the step and the
+    parameter leaf); it is folded with the device index on `(node_axis, local_axis)` and
+    then with the hop number (1 or 2), so every device and hop draws its own noise and the
+    same inputs give the same bits. None gives `(None, None)` (round to nearest).
+    """
+    if key is None:
+        return None, None
+    dev = jax.random.fold_in(key, lax.axis_index((node_axis, local_axis)))
+    return jax.random.fold_in(dev, 1), jax.random.fold_in(dev, 2)
+
+
 def two_hop_reduce_scatter(
     x: jax.Array,
     *,
-    bits: int | None,
+    bits: Format | None,
     block_size: int,
-    node_bits: int | None | str = "same",
+    node_bits: Format | None | str = "same",
+    node_block_size: int | None = None,
     node_axis: str = "node",
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """qgZ: hierarchical gradient reduction, hop 1 over `local`, hop 2 over `node`.
 
     Each value is quantized once per hop: hop 1 quantizes this device's whole gradient
     (every piece in its own blocks), all-to-alls it inside the node, dequantizes and sums
-    in float32; hop 2 re-quantizes that partial sum, all-to-alls it across nodes,
-    dequantizes and sums. A hop over an axis of size 1 is skipped (no collective, no
-    quantization event), so a 1-node mesh does exactly one quantized intra-node hop.
+    in float32; hop 2 re-quantizes that partial sum (in its own format and blocks, which
+    never straddle two pieces either), all-to-alls it across nodes, dequantizes and sums.
+    A hop over an axis of size 1 is skipped (no collective, no quantization event), so a
+    1-node mesh does exactly one quantized intra-node hop.
 
     Args:
       x: per-device gradient `(N * rows, ...)` in partition order.
-      bits: bits on hop 1 (8, 4, 2) or None for an unquantized hop.
-      block_size: values per quantization block.
-      node_bits: bits on hop 2; "same" uses `bits`.
+      bits: format on hop 1 (8, 4, 2, "e4m3") or None for an unquantized hop.
+      block_size: values per quantization block on hop 1.
+      node_bits: format on hop 2; "same" uses `bits`.
+      node_block_size: values per quantization block on hop 2; None uses `block_size`.
       node_axis: name of the inter-node mesh axis.
       local_axis: name of the intra-node mesh axis.
       codec: block quantization implementation.
+      key: a PRNG key, the same on every device, for stochastic rounding on both hops
+        (see `hop_keys`); None rounds to nearest.
 
     Returns:
       float32 `(rows, ...)`: the sum over all devices of this device's piece.
     """
     nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
     hop2_bits = bits if node_bits == "same" else node_bits
+    hop2_block = block_size if node_block_size is None else node_block_size
     n = nn * ll
     if x.shape[0] % n:
         raise ValueError(
             f"two_hop_reduce_scatter: leading dimension {x.shape[0]} is not divisible by "
             f"the {n} devices of the mesh; pad it to a multiple of {n}."
         )
+    k1, k2 = hop_keys(key, node_axis=node_axis, local_axis=local_axis)
     rows_shape = (x.shape[0] // n, *x.shape[1:])
     if bits is None or hop2_bits is None:
         partial = x
         if ll > 1:
             partial = reduce_scatter_quantized(
-                x, axis_name=local_axis, bits=bits, block_size=block_size, codec=codec
+                x, axis_name=local_axis, bits=bits, block_size=block_size, codec=codec, key=k1
             )
             if nn > 1 and hop2_bits is None:
                 partial = partial.astype(x.dtype)
@@ -438,24 +528,35 @@ def two_hop_reduce_scatter(
             partial.reshape(nn * rows_shape[0], *rows_shape[1:]),
             axis_name=node_axis,
             bits=hop2_bits,
-            block_size=block_size,
+            block_size=hop2_block,
             codec=codec,
+            key=k2,
         ).reshape(rows_shape)
     check_bits(bits, block_size)
-    check_bits(hop2_bits, block_size)
-    blocks = shard_blocks(x, n, block_size)  # (L * Nn, nbp, bs), partition order
-    nbp, block_size = blocks.shape[1:]
+    check_bits(hop2_bits, hop2_block)
+    piece = math.prod(rows_shape)
     if ll > 1:
-        values, scales = _quantize(blocks.reshape(ll, nn * nbp, block_size), bits, codec)
+        blocks = shard_blocks(x, n, block_size)  # (L * Nn, nbp, bs), partition order
+        nbp, bs = blocks.shape[1:]
+        values, scales = _quantize(blocks.reshape(ll, nn * nbp, bs), bits, codec, k1)
         rv = lax.all_to_all(values, local_axis, 0, 0)
         rs = lax.all_to_all(scales, local_axis, 0, 0)
         if nn == 1:
             return unblock(codec.dequantize_sum_blocks(rv, rs, bits=bits)[None], rows_shape)
-        v2, s2 = codec.dequantize_sum_quantize_blocks(rv, rs, bits=bits, out_bits=hop2_bits)
+        if effective_block_size(piece, hop2_block) == bs:
+            kw = {} if k2 is None else {"key": k2}
+            v2, s2 = codec.dequantize_sum_quantize_blocks(
+                rv, rs, bits=bits, out_bits=hop2_bits, **kw
+            )
+            v2, s2 = v2.reshape(nn, nbp, -1), s2.reshape(nn, nbp)
+        else:
+            # Re-block the partial sums for hop 2, piece by piece.
+            summed = codec.dequantize_sum_blocks(rv, rs, bits=bits).reshape(nn, -1)[:, :piece]
+            v2, s2 = _quantize(shard_blocks(summed, nn, hop2_block), hop2_bits, codec, k2)
     else:
-        v2, s2 = _quantize(blocks.reshape(nn * nbp, block_size), hop2_bits, codec)
-    rv2 = lax.all_to_all(v2.reshape(nn, nbp, -1), node_axis, 0, 0)
-    rs2 = lax.all_to_all(s2.reshape(nn, nbp), node_axis, 0, 0)
+        v2, s2 = _quantize(shard_blocks(x, nn, hop2_block), hop2_bits, codec, k2)
+    rv2 = lax.all_to_all(v2, node_axis, 0, 0)
+    rs2 = lax.all_to_all(s2, node_axis, 0, 0)
     return unblock(codec.dequantize_sum_blocks(rv2, rs2, bits=hop2_bits)[None], rows_shape)
 
 
@@ -477,19 +578,27 @@ class GatherSpec:
         reduce-scatter over both axes in node-major order.
       dtype: dtype of the gathered weight (the compute dtype).
       codec: block quantization implementation.
+      weight_local_bits: format of the second gather stage (hpZ only); "same" gathers the
+        stage-1 secondary shard as it is, any other value re-quantizes it (see
+        `requantize_secondary`).
+      grad_node_bits: format of gradient hop 2 (two-hop only); "same" uses `grad_bits`.
+      grad_node_block_size: block size of gradient hop 2; None uses `grad_block_size`.
     """
 
     hierarchical: bool
-    weight_bits: int | None
+    weight_bits: Format | None
     weight_block_size: int
-    grad_bits: int | None
+    grad_bits: Format | None
     grad_block_size: int
     two_hop: bool
     dtype: jnp.dtype
     codec: Codec = XLA_CODEC
+    weight_local_bits: Format | None | str = "same"
+    grad_node_bits: Format | None | str = "same"
+    grad_node_block_size: int | None = None
 
 
-def gather_weight(x: jax.Array, spec: GatherSpec) -> jax.Array:
+def gather_weight(x: jax.Array, spec: GatherSpec, key: jax.Array | None = None) -> jax.Array:
     """Gathers a weight shard for compute; its gradient leaves through the matching
     reduction (qgZ when `spec.grad_bits` is set).
 
@@ -506,6 +615,8 @@ def gather_weight(x: jax.Array, spec: GatherSpec) -> jax.Array:
     Args:
       x: per-device float32 master shard `(rows, ...)` in partition layout.
       spec: what to send.
+      key: a PRNG key for stochastic rounding of the gradient reduction, the same on every
+        device (see `hop_keys`); None rounds to nearest. Not differentiated.
 
     Returns:
       `(N * rows, ...)` in `spec.dtype`. The cotangent of `x` is the float32 sum over all
@@ -517,8 +628,21 @@ def gather_weight(x: jax.Array, spec: GatherSpec) -> jax.Array:
         wire = secondary_gather(
             xc, bits=spec.weight_bits, block_size=spec.weight_block_size, codec=spec.codec
         )
+        wire = requantize_secondary(
+            wire,
+            x.shape,
+            spec.dtype,
+            bits=spec.weight_bits,
+            local_bits=spec.weight_local_bits,
+            block_size=spec.weight_block_size,
+            codec=spec.codec,
+        )
         wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
-    return _gather_full(x, wire, spec)
+    return _gather_full(x, wire, key, spec)
+
+
+def _local_bits(spec: GatherSpec) -> Format | None:
+    return spec.weight_bits if spec.weight_local_bits == "same" else spec.weight_local_bits
 
 
 def _gather_from(
@@ -529,7 +653,7 @@ def _gather_from(
             wire,
             x.shape,
             spec.dtype,
-            bits=spec.weight_bits,
+            bits=_local_bits(spec),
             codec=spec.codec,
             alternate_form=alternate_form,
         )
@@ -542,31 +666,47 @@ def _gather_from(
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gather_full(x: jax.Array, wire: tuple[jax.Array, ...], spec: GatherSpec) -> jax.Array:
-    """The full weight from the shard `x` (flat) or from the secondary `wire` (hpZ)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather_full(
+    x: jax.Array, wire: tuple[jax.Array, ...], key: jax.Array | None, spec: GatherSpec
+) -> jax.Array:
+    """The full weight from the shard `x` (flat) or from the secondary `wire` (hpZ); `key`
+    only feeds the backward rule (stochastic rounding)."""
     return _gather_from(x, wire, spec, alternate_form=False)
 
 
 def _gather_full_fwd(
-    x: jax.Array, wire: tuple[jax.Array, ...], spec: GatherSpec
-) -> tuple[jax.Array, jax.Array]:
+    x: jax.Array, wire: tuple[jax.Array, ...], key: jax.Array | None, spec: GatherSpec
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None]]:
     # The residual `-0.0` (x + -0.0 == x for every float x, signed zeros and NaN included)
     # is what makes `optimize_remat` pick this rule for the recompute: JAX replaces a
     # `fwd` whose residuals are unused by the primal function, which is what happens in
     # the forward pass, where the policy saves no residual of this call.
-    return _gather_from(x, wire, spec, alternate_form=True), jnp.array(-0.0, jnp.float32)
+    full = _gather_from(x, wire, spec, alternate_form=True)
+    return full, (jnp.array(-0.0, jnp.float32), key)
 
 
 def _gather_full_bwd(
-    spec: GatherSpec, negative_zero: jax.Array, g: jax.Array
-) -> tuple[jax.Array, None]:
+    spec: GatherSpec, res: tuple[jax.Array, jax.Array | None], g: jax.Array
+) -> tuple[jax.Array, None, None]:
+    negative_zero, key = res
     kw = dict(bits=spec.grad_bits, block_size=spec.grad_block_size, codec=spec.codec)
     if spec.two_hop:
-        dx = two_hop_reduce_scatter(g, **kw)
+        dx = two_hop_reduce_scatter(
+            g,
+            node_bits=spec.grad_node_bits,
+            node_block_size=spec.grad_node_block_size,
+            key=key,
+            **kw,
+        )
     else:
+        if key is not None or spec.grad_node_bits != "same":
+            raise ValueError(
+                "stochastic rounding and grad_node_bits need the two-hop gradient reduction "
+                "(GatherSpec.two_hop=True)."
+            )
         dx = flat_reduce_scatter(g, **kw)
-    return dx + negative_zero, None
+    return dx + negative_zero, None, None
 
 
 _gather_full.defvjp(_gather_full_fwd, _gather_full_bwd, optimize_remat=True)

@@ -1,7 +1,8 @@
 """`ZeroPPConfig`: the frozen, self-validating description of one ZeRO++ configuration.
 
 Each field decides what one collective sends. `None` for a bit width means that collective
-runs unquantized (16-bit values moved as their raw bits).
+runs unquantized (16-bit values moved as their raw bits); "e4m3" means fp8 values with
+float32 block scales (see `zeropp_jax.quant`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
-WEIGHT_BITS = (None, 8, 4, 2)
-GRAD_BITS = (None, 8, 4, 2)
+WEIGHT_BITS = (None, 8, 4, 2, "e4m3")
+GRAD_BITS = (None, 8, 4, 2, "e4m3")
+SAME = "same"
+"""A per-hop format field with this value uses the format of the first hop."""
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
 
@@ -24,15 +27,17 @@ def _fail(field: str, value: Any, allowed: str, fix: str = "") -> None:
     raise ValueError(msg)
 
 
-def _check_bits(field: str, value: Any, allowed: tuple[int | None, ...]) -> None:
-    # An int (not a bool, not a float such as 8.0 that compares equal) or None.
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        _fail(field, value, f"one of {allowed} (an int or None)")
+def _check_bits(field: str, value: Any, allowed: tuple[int | str | None, ...]) -> None:
+    # An int (not a bool, not a float such as 8.0 that compares equal), a format name or None.
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | str)):
+        _fail(field, value, f"one of {allowed} (an int, a format name or None)")
     if value not in allowed:
         _fail(field, value, f"one of {allowed}")
 
 
-def _check_block_size(field: str, value: Any) -> None:
+def _check_block_size(field: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 8:
         _fail(
             field,
@@ -52,11 +57,27 @@ class ZeroPPConfig:
         to gather unquantized in `compute_dtype`.
       weight_block_size: values per quantization block (one float32 scale each) on the
         weight gathers.
+      weight_local_bits: format of the second (intra-node, `local`) stage of the hpZ
+        gather. "same" (default) gathers the stage-1 secondary shard as it is; any other
+        value (8, 4, 2, "e4m3", None) dequantizes the secondary shard and re-quantizes it
+        for stage 2, which adds a second quantization event on every weight value. Needs
+        `hierarchical=True`.
       hierarchical: hpZ. Keep a secondary weight shard inside each node so the backward
         weight gather runs over the `local` axis only. False re-gathers over all devices.
       grad_bits: qgZ. Bits per gradient value on the two-hop gradient reduction (8, 4 or 2),
         or None for an unquantized reduce-scatter.
-      grad_block_size: values per quantization block on the gradient reduction.
+      grad_block_size: values per quantization block on the gradient reduction (hop 1).
+      grad_node_bits: format of gradient hop 2 (across nodes): 8, 4, 2, "e4m3" or None;
+        "same" (default) uses `grad_bits`. E.g. `grad_bits=8, grad_node_bits=4` moves
+        int8 inside a node and packed int4 across nodes.
+      grad_node_block_size: values per quantization block on gradient hop 2; None
+        (default) uses `grad_block_size`. Hop 2 then re-blocks the partial sums (blocks
+        never straddle two devices' pieces).
+      stochastic_rounding: round the gradient hops stochastically (unbiased) instead of to
+        nearest. The noise comes from a counter-based key: `rounding_seed`, the step, the
+        device, the parameter leaf and the hop, so a run is reproducible. Needs a quantized
+        gradient hop.
+      rounding_seed: base seed of the stochastic-rounding keys.
       compute_dtype: dtype the model runs in (weights are gathered into it). Master weights
         and optimizer state stay float32.
       kernels: implementation of quantize/dequantize: "xla" (plain jnp), "pallas" (the
@@ -67,20 +88,48 @@ class ZeroPPConfig:
         counter still advance) instead of writing non-finite values into the master weights.
     """
 
-    weight_bits: int | None = 8
+    weight_bits: int | str | None = 8
     weight_block_size: int = 256
     hierarchical: bool = True
-    grad_bits: int | None = 4
+    grad_bits: int | str | None = 4
     grad_block_size: int = 256
     compute_dtype: Any = jnp.bfloat16
     kernels: str = "auto"
     skip_nonfinite_updates: bool = False
+    weight_local_bits: int | str | None = SAME
+    grad_node_bits: int | str | None = SAME
+    grad_node_block_size: int | None = None
+    stochastic_rounding: bool = False
+    rounding_seed: int = 0
 
     def __post_init__(self) -> None:
         _check_bits("weight_bits", self.weight_bits, WEIGHT_BITS)
         _check_bits("grad_bits", self.grad_bits, GRAD_BITS)
         _check_block_size("weight_block_size", self.weight_block_size)
         _check_block_size("grad_block_size", self.grad_block_size)
+        _check_block_size("grad_node_block_size", self.grad_node_block_size, optional=True)
+        if self.weight_local_bits != SAME:
+            _check_bits("weight_local_bits", self.weight_local_bits, (SAME, *WEIGHT_BITS))
+            if not self.hierarchical:
+                _fail(
+                    "weight_local_bits",
+                    self.weight_local_bits,
+                    f"{SAME!r} when hierarchical=False",
+                    "The second gather stage exists only with hpZ; set hierarchical=True.",
+                )
+        if self.grad_node_bits != SAME:
+            _check_bits("grad_node_bits", self.grad_node_bits, (SAME, *GRAD_BITS))
+        if not isinstance(self.stochastic_rounding, bool):
+            _fail("stochastic_rounding", self.stochastic_rounding, "True or False")
+        if isinstance(self.rounding_seed, bool) or not isinstance(self.rounding_seed, int):
+            _fail("rounding_seed", self.rounding_seed, "an int")
+        if self.stochastic_rounding and self.grad_bits is None and self.grad_hop2_bits is None:
+            _fail(
+                "stochastic_rounding",
+                True,
+                "False when no gradient hop is quantized (grad_bits and grad_node_bits None)",
+                "Set grad_bits (or grad_node_bits) to a format.",
+            )
         if not isinstance(self.hierarchical, bool):
             _fail("hierarchical", self.hierarchical, "True or False")
         if not isinstance(self.skip_nonfinite_updates, bool):
@@ -112,6 +161,21 @@ class ZeroPPConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def grad_hop2_bits(self) -> int | str | None:
+        """Format of gradient hop 2 (`grad_node_bits`, with "same" resolved)."""
+        return self.grad_bits if self.grad_node_bits == SAME else self.grad_node_bits
+
+    @property
+    def weight_stage2_bits(self) -> int | str | None:
+        """Format of the second hpZ gather stage (`weight_local_bits`, "same" resolved)."""
+        return self.weight_bits if self.weight_local_bits == SAME else self.weight_local_bits
+
+    @property
     def is_zero3(self) -> bool:
         """True when no ZeRO++ technique is on."""
-        return self.weight_bits is None and self.grad_bits is None and not self.hierarchical
+        return (
+            self.weight_bits is None
+            and self.grad_bits is None
+            and self.grad_hop2_bits is None
+            and not self.hierarchical
+        )

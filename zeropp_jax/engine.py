@@ -10,6 +10,8 @@ its single-device meaning.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +27,7 @@ from zeropp_jax import collectives as C
 from zeropp_jax import partition as part
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.mesh import mesh_shape
-from zeropp_jax.quant import XLA_CODEC, Codec
+from zeropp_jax.quant import XLA_CODEC, Codec, is_float_format
 
 # ----------------------------------------------------------------------------- codecs
 
@@ -42,6 +44,19 @@ def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:
         kind = "pallas" if platform == "gpu" else "xla"
     if kind == "xla":
         return XLA_CODEC
+    formats = (
+        config.weight_bits,
+        config.weight_stage2_bits,
+        config.grad_bits,
+        config.grad_hop2_bits,
+    )
+    fp8 = [f for f in formats if isinstance(f, str) and is_float_format(f)]
+    if fp8:
+        raise ValueError(
+            f"ZeroPPConfig.kernels={config.kernels!r} resolves to the Pallas kernels, which "
+            f"implement the integer formats only, but the config uses {fp8[0]!r}; use "
+            "kernels='xla' for fp8 formats."
+        )
     import pallas_kernels
 
     if kind == "pallas" and platform != "gpu":
@@ -60,10 +75,23 @@ def gather_spec(config: ZeroPPConfig, codec: Codec) -> C.GatherSpec:
         weight_block_size=config.weight_block_size,
         grad_bits=config.grad_bits,
         grad_block_size=config.grad_block_size,
-        two_hop=config.hierarchical or config.grad_bits is not None,
+        two_hop=config.hierarchical
+        or config.grad_bits is not None
+        or config.grad_hop2_bits is not None,
         dtype=jnp.dtype(config.compute_dtype),
         codec=codec,
+        weight_local_bits=config.weight_local_bits,
+        grad_node_bits=config.grad_node_bits,
+        grad_node_block_size=config.grad_node_block_size,
     )
+
+
+def rounding_key(config: ZeroPPConfig, step: jax.Array, leaf_index: int) -> jax.Array:
+    """The stochastic-rounding key of one parameter leaf at one step (the same on every
+    device; the gradient reduction folds in the device and the hop, see
+    `collectives.hop_keys`): a pure function of `(config.rounding_seed, step, leaf_index)`."""
+    key = jax.random.fold_in(jax.random.key(config.rounding_seed), step)
+    return jax.random.fold_in(key, leaf_index)
 
 
 def remat_policy(config: ZeroPPConfig) -> Callable[..., bool]:
@@ -99,6 +127,9 @@ def make_island_apply(
 ) -> Callable[..., Any]:
     """Wraps `model_apply` (e.g. `model.apply`) into the sharded `apply_fn` of a TrainState.
 
+    The result takes the step counter first, `(step, variables, *args, **kwargs)`;
+    `IslandApply` binds it (the step keys stochastic rounding; None without it).
+
     The returned function takes `({'params': stored_params, ...}, *args, **kwargs)` in the
     global view: array arguments with at least one dimension are batch-sharded along axis
     0 over all devices; 0-d arrays and `rngs=` keys are replicated (keys are folded with
@@ -113,11 +144,12 @@ def make_island_apply(
     compute = jnp.dtype(config.compute_dtype)
     param_specs = [part.leaf_spec(lo) for lo in leaf_layouts]
 
-    def materialize(stored: list[jax.Array]) -> list[jax.Array]:
+    def materialize(stored: list[jax.Array], step: jax.Array | None) -> list[jax.Array]:
         out = []
-        for x, lo in zip(stored, leaf_layouts, strict=True):
+        for i, (x, lo) in enumerate(zip(stored, leaf_layouts, strict=True)):
             if lo.sharded:
-                full = C.gather_weight(x, spec)
+                key = None if step is None else rounding_key(config, step, i)
+                full = C.gather_weight(x, spec, key)
                 out.append(full[: lo.shape[0]])
             elif jnp.issubdtype(x.dtype, jnp.floating):
                 out.append(x.astype(compute))
@@ -125,7 +157,7 @@ def make_island_apply(
                 out.append(x)
         return out
 
-    def apply_fn(variables: Any, *args: Any, **kwargs: Any) -> Any:
+    def apply_fn(step: jax.Array | None, variables: Any, *args: Any, **kwargs: Any) -> Any:
         if "params" not in variables:
             raise ValueError(
                 "apply_fn expects variables={'params': state.params, ...}; got keys "
@@ -146,10 +178,16 @@ def make_island_apply(
         static = {i: x for i, x in enumerate(leaves) if i not in batch_idx and i not in rep_idx}
         other_leaves, other_def = jax.tree_util.tree_flatten(others)
         rng_leaves, rng_def = jax.tree_util.tree_flatten(rngs)
+        if config.stochastic_rounding and step is None:
+            raise ValueError(
+                "ZeroPPConfig.stochastic_rounding=True needs the step counter: call "
+                "state.apply_fn (an IslandApply bound to state.step)."
+            )
+        steps = [] if step is None or not config.stochastic_rounding else [step]
 
-        def body(p, batch, rep, oth, keys):
-            def run(p, batch, rep, oth, keys):
-                full = materialize(p)
+        def body(p, batch, rep, oth, keys, steps):
+            def run(p, batch, rep, oth, keys, steps):
+                full = materialize(p, steps[0] if steps else None)
                 merged = dict(static)
                 merged.update(zip(batch_idx, batch, strict=True))
                 merged.update(zip(rep_idx, rep, strict=True))
@@ -164,7 +202,7 @@ def make_island_apply(
                 v["params"] = jax.tree_util.tree_unflatten(treedef, full)
                 return model_apply(v, *a, **kw)
 
-            return jax.checkpoint(run, policy=policy)(p, batch, rep, oth, keys)
+            return jax.checkpoint(run, policy=policy)(p, batch, rep, oth, keys, steps)
 
         island = jax.shard_map(
             body,
@@ -175,6 +213,7 @@ def make_island_apply(
                 [part.REPLICATED] * len(rep_idx),
                 [part.REPLICATED] * len(other_leaves),
                 [part.REPLICATED] * len(rng_leaves),
+                [part.REPLICATED] * len(steps),
             ),
             out_specs=part.BATCH_SPEC,
             check_vma=codec is XLA_CODEC,
@@ -185,9 +224,29 @@ def make_island_apply(
             [leaves[i] for i in rep_idx],
             other_leaves,
             rng_leaves,
+            steps,
         )
 
     return apply_fn
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["step"], meta_fields=["fn"])
+@dataclasses.dataclass(frozen=True)
+class IslandApply:
+    """The `apply_fn` of a zpp.TrainState: the sharded island of `make_island_apply`,
+    bound to the state's step counter.
+
+    Called like the model's apply, `(variables, *args, **kwargs)`. It is a pytree whose
+    only leaf is `step` (None, no leaf, unless `config.stochastic_rounding`): that is how
+    the step reaches the stochastic-rounding keys inside an unchanged train_step, which
+    only calls `state.apply_fn`. `TrainState` keeps `step` equal to its own step.
+    """
+
+    fn: Callable[..., Any]
+    step: jax.Array | None = None
+
+    def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(self.step, variables, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- state
@@ -228,14 +287,22 @@ class TrainState(train_state.TrainState):
 
     Extra fields: `mesh`, `config`, `layouts` (static), `skipped_steps` (updates skipped
     for non-finite gradients) and `grads_finite` (whether the last step's gradients were
-    finite).
+    finite). `apply_fn` is an `IslandApply`, a pytree node: with
+    `config.stochastic_rounding` it carries the step (kept equal to `step` whenever a
+    state is built, replaced or unflattened).
     """
 
+    apply_fn: Callable[..., Any] = struct.field(pytree_node=True)
     mesh: Mesh = struct.field(pytree_node=False, default=None)
     config: ZeroPPConfig = struct.field(pytree_node=False, default=None)
     layouts: Any = struct.field(pytree_node=False, default=None)
     skipped_steps: jax.Array | int = 0
     grads_finite: jax.Array | bool = True
+
+    def __post_init__(self) -> None:
+        fn = self.apply_fn
+        if isinstance(fn, IslandApply) and fn.step is not None and fn.step is not self.step:
+            object.__setattr__(self, "apply_fn", dataclasses.replace(fn, step=self.step))
 
     @classmethod
     def create(
@@ -280,9 +347,11 @@ class TrainState(train_state.TrainState):
         opt_state = init_opt_state(tx, master, leaf_layouts, mesh)
         layouts = (treedef, leaf_layouts)
         replicated = NamedSharding(mesh, part.REPLICATED)
+        step = jax.device_put(jnp.array(0, jnp.int32), replicated)
+        island = make_island_apply(apply_fn, mesh, config, layouts)
         return cls(
-            step=jax.device_put(jnp.array(0, jnp.int32), replicated),
-            apply_fn=make_island_apply(apply_fn, mesh, config, layouts),
+            step=step,
+            apply_fn=IslandApply(island, step if config.stochastic_rounding else None),
             params=master,
             tx=tx,
             opt_state=opt_state,

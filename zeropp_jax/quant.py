@@ -8,8 +8,15 @@ float32 rounding of the arithmetic). Every product `q * scale` is exact in float
 dequantizing, and summing dequantized values, gives the same bits however a compiler fuses
 the arithmetic (see `dequantize_sum_blocks`).
 
+Formats. `bits` is 8, 4 or 2 (the integer grid above) or `"e4m3"` (`E4M3`): fp8 values
+(`jnp.float8_e4m3fn`, 4 significant bits, largest 448) with the same float32 block scales,
+`scale = absmax / 448` (rounded up as above), `q = fp8(x / scale)`. Its round-trip error is
+at most half an fp8 ulp of `x / scale`, i.e. `max(|x| * 2**-4, scale * 2**-10)` (relative
+in the normal fp8 range, absolute below `2**-6`; see `max_error`), with round-to-nearest.
+
 Wire layout (what a collective moves):
   * 8 bits: `values` is int8 of shape `(num_blocks, block_size)`.
+  * e4m3: `values` is uint8 of shape `(num_blocks, block_size)`, the bits of the fp8 values.
   * 4 and 2 bits: `values` is uint8 of shape `(num_blocks, block_size * bits // 8)`; each
     value is stored offset-binary (`q + 2**(bits-1)`) and the `8 // bits` values sharing a
     byte are taken from the `8 // bits` equal planes of the block (value `j` of plane `i`
@@ -35,18 +42,39 @@ import jax.numpy as jnp
 import numpy as np
 
 BITS = (8, 4, 2)
+E4M3 = "e4m3"
+"""The fp8 format: `jnp.float8_e4m3fn` values with float32 block scales."""
+FORMATS = (*BITS, E4M3)
+"""Every value `bits` may take: an integer width or the name of an fp8 format."""
+E4M3_MAX = 448.0
+_E4M3_MIN_EXP = -6  # the smallest normal e4m3 is 2**-6; below it the spacing is 2**-9
+_E4M3_MANTISSA = 3
 
 
-def qmax(bits: int) -> int:
-    """Largest quantized magnitude for `bits`: 127, 7 or 1."""
+def is_float_format(bits: int | str) -> bool:
+    """True for an fp8 format (`"e4m3"`), False for an integer width."""
+    return isinstance(bits, str)
+
+
+def values_per_byte(bits: int | str) -> int:
+    """Values that share one byte on the wire: 1 for 8 bits and e4m3, 2 or 4 below."""
+    return 1 if is_float_format(bits) else 8 // bits
+
+
+def qmax(bits: int | str) -> int:
+    """Largest quantized magnitude for `bits`: 127, 7, 1, or 448 for e4m3."""
+    if is_float_format(bits):
+        return int(E4M3_MAX)
     return 2 ** (bits - 1) - 1
 
 
-def check_bits(bits: int, block_size: int) -> None:
+def check_bits(bits: int | str, block_size: int) -> None:
     """Raises `ValueError` unless `bits` and `block_size` can be quantized and packed."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
-        raise ValueError(f"bits={bits!r} is not supported; expected one of {BITS} (an int).")
-    per_byte = 8 // bits
+    if isinstance(bits, bool) or not isinstance(bits, int | str) or bits not in FORMATS:
+        raise ValueError(
+            f"bits={bits!r} is not supported; expected one of {FORMATS} (an int, or 'e4m3')."
+        )
+    per_byte = values_per_byte(bits)
     if (
         isinstance(block_size, bool)
         or not isinstance(block_size, int)
@@ -107,7 +135,14 @@ bits: it is exact in float32, whatever `bits` is."""
 _SCALE_LOW = 2 ** (24 - SCALE_BITS) - 1  # the float32 mantissa bits a scale leaves zero
 
 
-def max_scale(bits: int) -> float:
+def min_scale(bits: int | str) -> float:
+    """Smallest nonzero scale: `2**-126` for integer widths; `2**-117` for e4m3, so that
+    its smallest value, `2**-9`, times a scale stays a normal float32 (XLA on CPU flushes
+    subnormal products to zero)."""
+    return _F32_TINY * (2.0**9 if is_float_format(bits) else 1.0)
+
+
+def max_scale(bits: int | str) -> float:
     """Largest float32 of `SCALE_BITS` significant bits whose product with `qmax(bits)`
     is finite (a Python float; every scale of `block_scales` is at most this)."""
     m = qmax(bits)
@@ -131,7 +166,7 @@ def block_absmax(blocks: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.max(magnitude, axis=-1), jnp.float32)
 
 
-def block_scales(absmax: jax.Array, bits: int) -> jax.Array:
+def block_scales(absmax: jax.Array, bits: int | str) -> jax.Array:
     """Float32 scale of each block from its absmax: `absmax * fl(1 / qmax)`, kept normal,
     rounded up to `SCALE_BITS` significant bits.
 
@@ -145,7 +180,8 @@ def block_scales(absmax: jax.Array, bits: int) -> jax.Array:
     The scale is then rounded up (toward larger magnitude, so `|x| * fl(1 / scale)` stays
     within `qmax` up to float32 rounding) to `SCALE_BITS` significant bits, which makes every
     product `q * scale` exact in float32 (see `SCALE_BITS`). This costs at most a factor
-    `1 + 2**-15` on the step. `2**-126` has one significant bit, so the minimum stays normal.
+    `1 + 2**-15` on the step. `2**-126` has one significant bit, so the minimum stays normal
+    (for e4m3 the minimum is `min_scale`, also a power of two).
     Near the float32 maximum the rounded scale is capped at `max_scale(bits)` so that
     `qmax * scale` stays finite: the cap is the largest `SCALE_BITS`-bit float below
     `fl32max / qmax`, so there `|x| / scale <= qmax * (1 + 2**-15) < qmax + 1/2` and
@@ -154,7 +190,7 @@ def block_scales(absmax: jax.Array, bits: int) -> jax.Array:
     """
     m = qmax(bits)
     scales = absmax * (np.float32(1) / np.float32(m))
-    scales = jnp.where(absmax > 0, jnp.maximum(scales, _F32_TINY), scales)
+    scales = jnp.where(absmax > 0, jnp.maximum(scales, min_scale(bits)), scales)
     # For a positive finite float32, rounding its bits up to a multiple of 2**(24 -
     # SCALE_BITS) rounds the value up to SCALE_BITS significant bits (a carry out of the
     # mantissa moves to the next power of two; from the largest binade it gives +Inf,
@@ -180,8 +216,11 @@ def to_blocks(x: jax.Array, block_size: int) -> jax.Array:
     return flat.reshape(-1, block_size)
 
 
-def pack(q: jax.Array, bits: int) -> jax.Array:
-    """Packs int8 `q` in `[-qmax, qmax]`, shape `(..., block_size)`, into the wire layout."""
+def pack(q: jax.Array, bits: int | str) -> jax.Array:
+    """Packs int8 `q` in `[-qmax, qmax]` (for e4m3: float values on the fp8 grid in
+    `[-448, 448]`), shape `(..., block_size)`, into the wire layout."""
+    if is_float_format(bits):
+        return jax.lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), jnp.uint8)
     if bits == 8:
         return q.astype(jnp.int8)
     per_byte = 8 // bits
@@ -193,8 +232,10 @@ def pack(q: jax.Array, bits: int) -> jax.Array:
     return out
 
 
-def unpack(values: jax.Array, bits: int) -> jax.Array:
-    """Inverse of `pack`: int8 of shape `(..., block_size)`."""
+def unpack(values: jax.Array, bits: int | str) -> jax.Array:
+    """Inverse of `pack`: int8 (float8_e4m3fn for e4m3) of shape `(..., block_size)`."""
+    if is_float_format(bits):
+        return jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
     if bits == 8:
         return values.astype(jnp.int8)
     per_byte = 8 // bits
@@ -204,8 +245,26 @@ def unpack(values: jax.Array, bits: int) -> jax.Array:
     return (u.astype(jnp.int8) - jnp.int8(2 ** (bits - 1))).astype(jnp.int8)
 
 
+def _round_e4m3(y: jax.Array, key: jax.Array | None) -> jax.Array:
+    """`y` (float32) rounded onto the e4m3 grid, clipped to `[-448, 448]`; non-finite -> 0.
+
+    To nearest (ties even) by the fp8 conversion, or with `key` stochastically:
+    `floor(y / ulp + u) * ulp` with `ulp` the e4m3 spacing at `|y|` (`2**(e - 3)` in the
+    binade `[2**e, 2**(e + 1))`, `2**-9` below `2**-6`) and `u ~ U[0, 1)`, which is unbiased.
+    Every operation but the add of `u` is exact (powers of two).
+    """
+    if key is not None:
+        _, e = jnp.frexp(jnp.abs(y))  # |y| = m * 2**e, m in [0.5, 1)
+        k = jnp.maximum(e - 1, _E4M3_MIN_EXP) - _E4M3_MANTISSA
+        u = jax.random.uniform(key, y.shape, jnp.float32)
+        y = jnp.ldexp(jnp.floor(jnp.ldexp(y, -k) + u), k)
+    y = jnp.clip(y, -E4M3_MAX, E4M3_MAX)
+    y = jnp.where(jnp.isfinite(y), y, 0.0)
+    return y.astype(jnp.float8_e4m3fn)
+
+
 def quantize_blocks(
-    blocks: jax.Array, *, bits: int, key: jax.Array | None = None
+    blocks: jax.Array, *, bits: int | str, key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Quantizes rows of `blocks` `(..., block_size)`; returns packed values and scales.
 
@@ -213,7 +272,7 @@ def quantize_blocks(
     computed as `x * fl(1 / scale)`, so that every implementation rounds alike. With `key`,
     rounds stochastically (`floor(x / scale + u)`, `u ~ U[0, 1)`), which is unbiased (under
     `jit`, XLA may fuse that product and the add of `u` into one multiply-add); else to
-    nearest (ties even).
+    nearest (ties even). For e4m3 the same holds on the fp8 grid (see `_round_e4m3`).
     """
     x = blocks.astype(jnp.float32)
     m = qmax(bits)
@@ -227,6 +286,8 @@ def quantize_blocks(
     # An explicit reciprocal: XLA turns `x / broadcast(s)` into this product in some shapes
     # and not in others.
     y = x * (1.0 / safe)[..., None]
+    if is_float_format(bits):
+        return pack(_round_e4m3(y, key), bits), scales
     if key is None:
         r = jnp.round(y)
     else:
@@ -237,7 +298,7 @@ def quantize_blocks(
 
 
 def dequantize_blocks(
-    values: jax.Array, scales: jax.Array, *, bits: int, dtype: jnp.dtype = jnp.float32
+    values: jax.Array, scales: jax.Array, *, bits: int | str, dtype: jnp.dtype = jnp.float32
 ) -> jax.Array:
     """Dequantizes packed `values` with `scales` `(...)` into `(..., block_size)` of `dtype`."""
     q = unpack(values, bits).astype(jnp.float32)
@@ -245,14 +306,15 @@ def dequantize_blocks(
 
 
 def quantize_blockwise(
-    x: jax.Array, *, bits: int, block_size: int, key: jax.Array | None = None
+    x: jax.Array, *, bits: int | str, block_size: int, key: jax.Array | None = None
 ) -> QuantizedArray:
     """Block-quantizes `x` (any shape and size; flattened, last block zero-padded).
 
     Args:
       x: float array (float32, bfloat16 or float16).
-      bits: 8, 4 or 2.
-      block_size: values per block (one float32 scale each), divisible by `8 // bits`.
+      bits: 8, 4, 2, or "e4m3".
+      block_size: values per block (one float32 scale each), divisible by the values per
+        byte (`8 // bits` for 4 and 2 bits).
       key: a PRNG key for stochastic rounding; None rounds to nearest.
 
     Returns:
@@ -271,15 +333,25 @@ def dequantize_blockwise(q: QuantizedArray, dtype: jnp.dtype = jnp.float32) -> j
     return blocks.reshape(-1)[: q.size].reshape(q.shape)
 
 
-def step_size(x: jax.Array, *, bits: int, block_size: int) -> jax.Array:
-    """Quantization step (`scale`) of the block each value of `x` falls in; shape of `x`."""
+def step_size(x: jax.Array, *, bits: int | str, block_size: int) -> jax.Array:
+    """Quantization step (`scale`) of the block each value of `x` falls in; shape of `x`.
+    (For e4m3 the scale is the unit of `q`, not a step; see `max_error`.)"""
     blocks = to_blocks(x.astype(jnp.float32), block_size)
     scales = block_scales(block_absmax(blocks), bits)
     full = jnp.broadcast_to(scales[:, None], blocks.shape)
     return full.reshape(-1)[: x.size].reshape(x.shape)
 
 
-def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, *, bits: int) -> jax.Array:
+def max_error(x: jax.Array, scale: jax.Array, bits: int | str) -> jax.Array:
+    """Round-to-nearest error bound of each value of `x` quantized with `scale` (arrays of
+    the same shape), up to float32 rounding: `scale / 2` for integer widths, half an fp8
+    ulp, `max(|x| * 2**-4, scale * 2**-10)`, for e4m3."""
+    if is_float_format(bits):
+        return jnp.maximum(jnp.abs(x) * 2.0**-4, scale * 2.0**-10)
+    return scale / 2
+
+
+def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, *, bits: int | str) -> jax.Array:
     """Dequantizes `G` stacked block sets and sums them in float32.
 
     Args:
@@ -307,8 +379,8 @@ def dequantize_sum_quantize_blocks(
     values: jax.Array,
     scales: jax.Array,
     *,
-    bits: int,
-    out_bits: int,
+    bits: int | str,
+    out_bits: int | str,
     key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`dequantize_sum_blocks` followed by `quantize_blocks` at `out_bits`: the middle of the
