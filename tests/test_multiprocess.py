@@ -72,6 +72,7 @@ def leaf_rel_err(a, b):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_processes_agree_bitwise(multiprocess, name):
     p0, p1 = multiprocess[(name, 0)], multiprocess[(name, 1)]
@@ -80,6 +81,7 @@ def test_processes_agree_bitwise(multiprocess, name):
         np.testing.assert_array_equal(p0[k], p1[k], err_msg=k)
 
 
+@pytest.mark.slow
 def test_exact_matches_one_process_to_summation_order(multiprocess):
     got, ref = multiprocess[("exact", 0)], reference("exact")
     assert got.keys() == ref.keys()
@@ -88,6 +90,7 @@ def test_exact_matches_one_process_to_summation_order(multiprocess):
     np.testing.assert_allclose(got["__losses__"], ref["__losses__"], rtol=SUMMATION_ORDER)
 
 
+@pytest.mark.slow
 def test_zeropp_matches_one_process_bitwise(multiprocess):
     got, ref = multiprocess[("zeropp", 0)], reference("zeropp")
     assert got.keys() == ref.keys()
@@ -98,6 +101,7 @@ def test_zeropp_matches_one_process_bitwise(multiprocess):
     np.testing.assert_allclose(got["__losses__"], ref["__losses__"], rtol=SUMMATION_ORDER)
 
 
+@pytest.mark.slow
 def test_dead_peer_ends_the_job(tmp_path):
     """Process 1 exits abruptly after its second step. The launcher is told to let the
     survivor run on (kill_grace) so the test sees the survivor end by itself: JAX's
