@@ -1,0 +1,78 @@
+"""Helpers shared by the experiment scripts: device setup, the machine line, table writers.
+
+Import this module before `jax` in a script that needs emulated CPU devices: it asks XLA
+for them (`--xla_force_host_platform_device_count`) unless the caller already did.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import pathlib
+import platform
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def request_cpu_devices(count: int) -> None:
+    """Asks XLA for `count` emulated CPU devices (no effect once jax has started)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def machine_line() -> str:
+    """Date, platform, CPU count and jax version, for the head of every output."""
+    import jax
+
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"{now}; {platform.platform()}; python {platform.python_version()}; "
+        f"{os.cpu_count()} CPUs; jax {jax.__version__} ({jax.default_backend()}, "
+        f"{jax.device_count()} devices)"
+    )
+
+
+def markdown_table(head: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
+    """A GitHub markdown table; `align` is one character per column, `l` or `r`."""
+    align = align or "l" * len(head)
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(rule) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(path: pathlib.Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Writes dict rows (keys of the first row as the header)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_text(path: pathlib.Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def shown(path: pathlib.Path) -> str:
+    """`path` relative to the repository root when it lies inside it."""
+    try:
+        return str(pathlib.Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def say_written(paths: Sequence[pathlib.Path]) -> None:
+    for p in paths:
+        print(f"wrote {shown(p)}")

@@ -1,0 +1,193 @@
+"""The experiment scripts' code paths at tiny sizes (so they do not rot).
+
+Each script's `main` runs into a temporary folder; the ledgers of the tiny GPT are shared
+between the volume-table and projection tests (one ledger per config).
+"""
+
+import csv
+import functools
+import math
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+
+import error_compounding as ec  # noqa: E402
+import projection as pj  # noqa: E402
+import volume_table as vt  # noqa: E402
+
+from zeropp_jax import quant  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_ledgers():
+    original = vt.step_ledger
+    vt.step_ledger = functools.cache(original)
+    yield
+    vt.step_ledger = original
+
+
+def test_volume_table_tiny(tmp_path):
+    rows = vt.main(["--runs", "32x1@2x4", "--variants", "ZeRO-3,ZeRO++", "--out", str(tmp_path)])
+    by = {r["variant"]: r for r in rows}
+    z3, zpp_ = by["ZeRO-3"], by["ZeRO++"]
+    # ZeRO-3: three flat collectives over 8 devices, each 7/8 M per device, all cross-node.
+    for part in ("fwd_gather", "bwd_gather", "grad_reduce"):
+        assert z3[f"{part}_cross"] == pytest.approx(7 / 8, rel=0.02)
+        assert z3[f"{part}_intra"] == 0
+    assert z3["total"] == pytest.approx(3 * 7 / 8, rel=0.02)
+    assert z3["scales"] == 0 and z3["reduction"] == 1
+    # ZeRO++: no backward gather across nodes, float32 scales beside the int payloads.
+    assert zpp_["bwd_gather_cross"] == 0
+    assert zpp_["scales"] > 0
+    assert zpp_["paper_count"] < 0.3 * z3["paper_count"]
+    assert zpp_["total"] == pytest.approx(zpp_["total_cross"] + zpp_["total_intra"])
+    for ext in ("md", "csv", "png"):
+        assert (tmp_path / f"volume_table.{ext}").stat().st_size > 0
+    with open(tmp_path / "volume_table.csv") as f:
+        assert [r["variant"] for r in csv.DictReader(f)] == ["ZeRO-3", "ZeRO++"]
+
+
+def test_error_compounding_tiny(tmp_path):
+    rows, events = ec.main(
+        ["--max-n", "8", "--size", "1024", "--bits", "4", "--max-k", "4", "--out", str(tmp_path)]
+    )
+    assert {r["n"] for r in rows} == {2, 4, 8}
+    for r in rows:
+        if r["n"] >= 8:
+            assert r["one_shot"] < r["ring"], r
+        # N <= 8: one group, so both two-hop variants are the one-shot reduction.
+        assert r["two_hop_g8"] == r["one_shot"] and r["two_hop_g16"] == r["one_shot"]
+    for mode in ("ring", "shifted"):
+        errs = {e["k"]: e["rel_error"] for e in events if e["mode"] == mode}
+        assert errs[0] == 0 and 0 < errs[1] <= errs[4]
+    for name in ("error_compounding.md", "error_compounding.csv", "error_compounding.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert (tmp_path / "quantization_events.csv").exists()
+
+
+def test_two_shard_ring_is_one_event():
+    # N = 2: the ring quantizes shard 0 once and adds shard 1 in float32.
+    shards = jnp.asarray(ec.make_shards("gaussian", 8, 1024, seed=3))  # shapes as above
+    errs = ec.reduction_errors(shards, jnp.int32(2), bits=4, block_size=256)
+    round_trip = jax.jit(ec.round_trip, static_argnames=("bits", "block_size"))
+    want = round_trip(shards[0], bits=4, block_size=256) + shards[1]
+    exact = shards[0] + shards[1]
+    rel = jnp.linalg.norm(want - exact) / jnp.linalg.norm(exact)
+    assert float(errs["ring"]) == pytest.approx(float(rel), rel=1e-6)
+
+
+def test_inject_events_keeps_tree_and_bounds_one_event():
+    grads = {"w": jnp.linspace(-1.0, 1.0, 300).reshape(3, 100), "b": jnp.ones((7,), jnp.bfloat16)}
+    key = jax.random.key(0)
+    same = ec.inject_quantization_events(grads, 0, bits=4, block_size=64, key=key)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), same, grads))
+    once = ec.inject_quantization_events(grads, 1, bits=8, block_size=64, key=key, mode="shifted")
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), once) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), grads
+    )
+    # One shifted round trip errs by at most half a step of the (whole-array) absmax scale.
+    w = np.asarray(grads["w"])
+    half_step = np.abs(w).max() / quant.qmax(8) / 2
+    assert np.max(np.abs(np.asarray(once["w"]) - w)) <= half_step * (1 + 1e-4)
+    many = ec.inject_quantization_events(grads, 16, bits=4, block_size=64, key=key)
+    assert not np.array_equal(np.asarray(many["w"]), w)
+    with pytest.raises(ValueError, match="mode"):
+        ec.inject_quantization_events(grads, 1, bits=4, block_size=64, key=key, mode="tree")
+
+
+def test_projection_tiny(tmp_path):
+    rows = pj.main(
+        [
+            "--gpt",
+            "32x1",
+            "--no-rescale-check",
+            "--cluster-csv",
+            str(tmp_path / "absent.csv"),
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert len(rows) == len(pj.MODELS) * len(pj.TOKENS) * len(pj.GBPS)
+    for r in rows:
+        if r["gbps"] == 100:
+            assert r["speedup"] > 1.5
+        slower = next(
+            s
+            for s in rows
+            if (s["model"], s["tokens_per_gpu"], s["gbps"])
+            == (r["model"], r["tokens_per_gpu"], 800)
+        )
+        assert r["speedup"] >= slower["speedup"]  # the slower the network, the larger the gain
+    for ext in ("md", "csv", "png"):
+        assert (tmp_path / f"projection.{ext}").stat().st_size > 0
+    assert "no usable emulated-cluster CSV" in (tmp_path / "projection.md").read_text()
+
+
+def test_calibrated_column_is_slower_links():
+    node = dict(
+        part="grad_reduce",
+        op="all-to-all",
+        axes=("node",),
+        group_size=24,
+        cross_node=True,
+        kind="payload",
+        M=0.01,
+    )
+    flat = dict(part="grad_reduce", op="all-to-all", axes=("node", "local"), group_size=384,
+                cross_node=True, kind="payload", M=1.0)  # fmt: skip
+    rows = pj.projection_rows(
+        {"ZeRO-3": [flat], "ZeRO++": [node]},
+        pj.Cluster(),
+        models=pj.MODELS[:1],
+        tokens_list=(1024,),
+        gbps_list=(100,),
+        calibrated_efficiency=0.5,
+    )
+    # Slower links make the step more communication-bound, so ZeRO++ gains more.
+    assert rows[0]["speedup_calibrated"] > rows[0]["speedup"] > 1
+
+
+def test_rescale_rule():
+    terms = [
+        dict(part="fwd_gather", op="all-gather", axes=("node",), group_size=2, cross_node=True,
+             kind="payload", M=0.0625),
+        dict(part="fwd_gather", op="all-gather", axes=("local",), group_size=4, cross_node=False,
+             kind="payload", M=0.375),
+        dict(part="grad_reduce", op="all-to-all", axes=("node", "local"), group_size=8,
+             cross_node=True, kind="payload", M=0.875),
+    ]  # fmt: skip
+    node, local, flat = pj.rescale_terms(terms, (2, 4), (24, 16))
+    assert node["M"] == pytest.approx(0.5 * (23 / 24) / 16)  # int8 secondary shard, 1/L slice
+    assert local["M"] == pytest.approx(0.5 * 15 / 16)
+    assert flat["M"] == pytest.approx(383 / 384) and flat["group_size"] == 384
+    cluster = pj.Cluster()
+    # Through one node's NICs: each of the 16 GPUs' node-hop streams, one ring's volume.
+    assert pj.node_crossing_M([node, local, flat], cluster) == pytest.approx(
+        16 * node["M"] + flat["M"]
+    )
+
+
+def test_calibrate_link_recovers_efficiency(tmp_path):
+    path = tmp_path / "cluster.csv"
+    fixed = {"zero3": 1.5, "zeropp": 2.0}
+    link_mb = {"zero3": 80.0, "zeropp": 10.0}
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["rate", "config", "step_s", "mb_node0_to_node1", "mb_node1_to_node0"])
+        for rate in ("100", "200", "400", "inf"):
+            for config in fixed:
+                ideal = link_mb[config] * 8 / float(rate)
+                w.writerow([rate, config, fixed[config] + ideal / 0.8, link_mb[config], 1.0])
+    got = pj.calibrate_link(path)
+    assert got["efficiency"] == pytest.approx(0.8)
+    assert got["fixed_s"] == pytest.approx(fixed, abs=1e-4)
+    assert len(got["fit"]) == 8
+    assert all(f["fitted_s"] == pytest.approx(f["step_s"]) for f in got["fit"])
+    assert pj.calibrate_link(tmp_path / "missing.csv") is None
+    assert math.isfinite(got["rms_s"])
