@@ -124,7 +124,10 @@ def part_of(record) -> str:
     """`fwd_gather`, `bwd_gather`, `grad_reduce` or `other` for a ledger record."""
     if record.op == "all-gather":
         return "fwd_gather" if record.phase == "forward" else "bwd_gather"
-    if record.op in ("reduce-scatter", "all-to-all") and record.phase == "backward":
+    if (
+        record.op in ("reduce-scatter", "all-to-all", "collective-permute")
+        and record.phase == "backward"
+    ):
         return "grad_reduce"
     return "other"
 

@@ -87,7 +87,7 @@ def phase_bytes(ledger, phase, ops, cross_node_only=False):
 
 
 GATHER = ("all-gather",)
-REDUCE = ("reduce-scatter", "all-to-all")
+REDUCE = ("reduce-scatter", "all-to-all", "collective-permute")
 
 
 def test_ledger_zero3_is_about_3M():
