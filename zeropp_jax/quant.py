@@ -125,7 +125,6 @@ class QuantizedArray:
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 _F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # 2**-126, the smallest normal float32
 _BIG_SCALE = 2.0**126  # a scale at least this large has a subnormal reciprocal
-_ABS_MASK = np.int32(0x7FFFFFFF)  # clears the sign bit of a float32
 
 SCALE_BITS = 16
 """Significant bits of every finite scale. A packed value is an integer of at most 8 bits
@@ -157,13 +156,23 @@ def max_scale(bits: int | str) -> float:
 def block_absmax(blocks: jax.Array) -> jax.Array:
     """`max(|blocks|)` over the last axis, float32; NaN if the row holds a NaN.
 
-    Taken as an integer max over the bits of `|x|` (for non-negative floats the int32 order
-    is the float order, with every NaN above +Inf): XLA:CPU's float reduce-max drops NaN for
-    some shapes (arrays of a few thousand values and more, openxla/xla#21461), which would
-    give a block holding NaN a finite scale and dequantize its NaN to 0.
+    Taken as a halving tree of elementwise maxima over contiguous halves of the row (the row
+    zero-padded to a power of two), not as a reduce: XLA:CPU's float reduce-max drops NaN
+    for some shapes (arrays of a few thousand values and more, openxla/xla#21461), which
+    would give a block holding NaN a finite scale and dequantize its NaN to 0, while the
+    elementwise maximum propagates NaN; and the tree vectorizes across the row (about 2x
+    faster on CPU than a row reduction, issue #12). `|x|` and `max` are exact, so the
+    result equals the exact absmax.
     """
-    magnitude = jax.lax.bitcast_convert_type(blocks.astype(jnp.float32), jnp.int32) & _ABS_MASK
-    return jax.lax.bitcast_convert_type(jnp.max(magnitude, axis=-1), jnp.float32)
+    a = jnp.abs(blocks.astype(jnp.float32))
+    n = a.shape[-1]
+    width = 1 << max(0, n - 1).bit_length()
+    if width != n:
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - n)])
+    while a.shape[-1] > 1:
+        half = a.shape[-1] // 2
+        a = jnp.maximum(a[..., :half], a[..., half:])
+    return a[..., 0]
 
 
 def block_scales(absmax: jax.Array, bits: int | str) -> jax.Array:
