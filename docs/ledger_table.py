@@ -89,7 +89,8 @@ def part_of(record) -> str:
     """Which column group a ledger record belongs to."""
     if record.op == "all-gather":
         return "fwd_gather" if record.phase == "forward" else "bwd_gather"
-    if record.op in ("reduce-scatter", "all-to-all") and record.phase == "backward":
+    reductions = ("reduce-scatter", "all-to-all", "collective-permute")  # ZeRO-3: a ring
+    if record.op in reductions and record.phase == "backward":
         return "grad"
     return "other"
 
