@@ -108,7 +108,7 @@ def test_replace_revalidates():
         ZeroPPConfig().replace(weight_block_size=12)
 
 
-BITS_ALLOWED = "(None, 8, 4, 2)"
+BITS_ALLOWED = "(None, 8, 4, 2, 'e4m3')"
 BLOCK_ALLOWED = "multiple of 8"
 DTYPE_ALLOWED = "('float32', 'bfloat16', 'float16')"
 BOOL_ALLOWED = "True or False"
