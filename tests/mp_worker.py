@@ -86,7 +86,16 @@ def global_batch(step: int):
     return {"x": x, "y": y}
 
 
-def train(config_name: str, steps: int, *, mesh=None, die_process=None, die_after=None):
+def train(
+    config_name: str,
+    steps: int,
+    *,
+    mesh=None,
+    die_process=None,
+    die_after=None,
+    save_at=None,
+    ckpt=None,
+):
     """Trains `steps` steps on `mesh`: by default one node per process (the launcher
     emulates one node per process on one machine), 2 x 4 in one process of 8 devices.
 
@@ -118,6 +127,8 @@ def train(config_name: str, steps: int, *, mesh=None, die_process=None, die_afte
         }
         state, metrics = step_fn(state, batch)
         losses.append([float(metrics[k].addressable_data(0)) for k in ("loss", "grad_norm")])
+        if save_at == step:
+            zpp.save_checkpoint(ckpt, state)  # every process takes part
         if die_process == jax.process_index() and die_after == step:
             print(f"process {die_process} dying at step {step}", flush=True)
             os._exit(7)
@@ -136,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="exact,zeropp")
     p.add_argument("--die-process", type=int, default=None)
     p.add_argument("--die-after", type=int, default=None)
+    p.add_argument("--save-at", type=int, default=None, help="checkpoint after this step")
+    p.add_argument("--ckpt", default=None, help="checkpoint folder for --save-at")
     args = p.parse_args(argv)
     initialize_from_env()
     import jax
@@ -148,7 +161,12 @@ def main(argv=None) -> int:
     )
     for name in args.configs.split(","):
         flat, losses = train(
-            name, args.steps, die_process=args.die_process, die_after=args.die_after
+            name,
+            args.steps,
+            die_process=args.die_process,
+            die_after=args.die_after,
+            save_at=args.save_at,
+            ckpt=args.ckpt,
         )
         path = os.path.join(args.out, f"{name}_process{jax.process_index()}.npz")
         np.savez(path, __losses__=losses, **flat)

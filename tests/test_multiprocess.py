@@ -19,10 +19,12 @@ import subprocess
 import sys
 import time
 
+import jax
 import mp_worker
 import numpy as np
 import pytest
 
+import zeropp_jax as zpp
 from zeropp_jax import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "mp_worker.py")
@@ -122,6 +124,10 @@ def test_dead_peer_ends_the_job(tmp_path):
             "1",
             "--die-after",
             "1",
+            "--save-at",
+            "0",
+            "--ckpt",
+            str(tmp_path / "ckpt"),
         ],
         nodes=2,
         local=4,
@@ -138,6 +144,25 @@ def test_dead_peer_ends_the_job(tmp_path):
     assert not survivor.killed, result.report(40)
     assert survivor.returncode != 0
     assert survivor.elapsed_s - dead.elapsed_s < 60, result.report(40)
+    # The checkpoint the two processes wrote before the death restores here (8 devices,
+    # one process) and matches one step of the single-process run.
+    config, tx = mp_worker.runs()["exact"]
+    model = mp_worker._model()
+    params = model.init(
+        jax.random.key(mp_worker.SEED), np.zeros((1, mp_worker.FEATURES), np.float32)
+    )["params"]
+    mesh = zpp.make_mesh(2, 4)
+    target = zpp.TrainState.create(
+        apply_fn=model.apply, params=params, tx=tx, mesh=mesh, config=config
+    )
+    restored = zpp.restore_checkpoint(tmp_path / "ckpt", target)
+    assert int(restored.step) == 1
+    ref, _ = mp_worker.train("exact", 1, mesh=mesh)
+    got = zpp.gather_params(restored)
+    for path, x in jax.tree_util.tree_leaves_with_path(got):
+        np.testing.assert_allclose(
+            np.asarray(x), ref[jax.tree_util.keystr(path)], rtol=SUMMATION_ORDER, atol=1e-7
+        )
 
 
 def test_launcher_timeout_kills_everything(tmp_path):
