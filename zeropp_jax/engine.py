@@ -456,9 +456,15 @@ def check_state(state: Any, mesh: Mesh, config: ZeroPPConfig) -> None:
             "the checkpoint onto a state for this mesh)."
         )
     if state.config != config:
+        diff = {
+            f.name: (getattr(state.config, f.name), getattr(config, f.name))
+            for f in dataclasses.fields(config)
+            if getattr(state.config, f.name) != getattr(config, f.name)
+        }
+        detail = ", ".join(f"{k}: state {a!r}, step {b!r}" for k, (a, b) in diff.items())
         raise ValueError(
-            f"the state was built for {state.config}, but the step for {config}; create both "
-            "with the same ZeroPPConfig."
+            f"the state was built for another ZeroPPConfig than the step ({detail}); create "
+            "both with the same ZeroPPConfig."
         )
 
 
