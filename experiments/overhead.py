@@ -1,0 +1,190 @@
+"""Compute overhead of ZeRO++ on emulated CPU devices, no link limit (issue #12).
+
+Times the same MLP's training step under ZeRO-3, each ZeRO++ technique alone and full
+ZeRO++, interleaved round by round (so machine noise hits every variant alike), and prints
+medians and the ratio to ZeRO-3. Then breaks the ZeRO++ step down by timing its stages on
+one device's share of the data: quantize (incl. packing), dequantize (incl. unpacking), the
+fused dequantize-sum(-requantize) of each gradient hop, and the model's own compute
+(forward + backward on one device's batch slice with full weights).
+
+    python experiments/overhead.py                 # sizes 4M and 12M parameters
+    python experiments/overhead.py --quick         # tiny smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from _common import RESULTS, machine_line, markdown_table, request_cpu_devices, write_csv
+
+request_cpu_devices(8)
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import zeropp_jax as zpp  # noqa: E402
+from zeropp_jax import quant  # noqa: E402
+
+VARIANTS = {
+    "ZeRO-3": zpp.ZeroPPConfig.zero3(),
+    "qwZ only": zpp.ZeroPPConfig(weight_bits=8, hierarchical=False, grad_bits=None),
+    "hpZ only": zpp.ZeroPPConfig(weight_bits=None, hierarchical=True, grad_bits=None),
+    "qgZ only": zpp.ZeroPPConfig(weight_bits=None, hierarchical=False, grad_bits=4),
+    "ZeRO++": zpp.ZeroPPConfig(),
+}
+
+
+class MLP(nn.Module):
+    width: int
+    depth: int
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = jnp.tanh(nn.Dense(self.width)(x))
+        return x
+
+
+def train_step(state, batch):
+    def loss_fn(p):
+        return jnp.mean(state.apply_fn({"params": p}, batch) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+def _time(fn, *args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def step_times(width: int, depth: int, batch: int, rounds: int) -> dict[str, list[float]]:
+    """Interleaved step times per variant (seconds), after one warm-up step each."""
+    mesh = zpp.make_mesh(2, 4)
+    model = MLP(width, depth)
+    x = np.random.RandomState(0).randn(batch, width).astype(np.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+    runs = {}
+    for name, config in VARIANTS.items():
+        state = zpp.TrainState.create(
+            apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh, config=config
+        )
+        step = zpp.shard(train_step, mesh=mesh, config=config)
+        state, _ = step(state, x)  # compile + warm-up
+        runs[name] = [step, state]
+    times = {name: [] for name in VARIANTS}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run[1], m = run[0](run[1], x)
+            jax.block_until_ready(m)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def stage_times(width: int, depth: int, batch: int, repeats: int) -> dict[str, float]:
+    """Median seconds of each stage, per device, summed over all weight matrices."""
+    n_dev, local = 8, 4
+    rs = np.random.RandomState(1)
+    w = jnp.asarray(rs.randn(width, width).astype(np.float32)).astype(jnp.bfloat16)
+    g = w.reshape(-1, 256)
+    q8 = jax.jit(lambda b: quant.quantize_blocks(b, bits=8))
+    q4 = jax.jit(lambda b: quant.quantize_blocks(b, bits=4))
+    v8, s8 = q8(g)
+    v4, s4 = q4(g)
+    d8 = jax.jit(lambda v, s: quant.dequantize_blocks(v, s, bits=8, dtype=jnp.bfloat16))
+    # Hop 1 receives `local` chunks of 1/local of the gradient; hop 2 `nodes` of 1/N.
+    h1v = v4.reshape(local, -1, v4.shape[-1])
+    h1s = s4.reshape(local, -1)
+    hop1 = jax.jit(lambda v, s: quant.dequantize_sum_quantize_blocks(v, s, bits=4, out_bits=4))
+    h2v = v4[: 2 * (v4.shape[0] // n_dev)].reshape(2, -1, v4.shape[-1])
+    h2s = s4[: h2v.shape[0] * h2v.shape[1]].reshape(2, -1)
+    hop2 = jax.jit(lambda v, s: quant.dequantize_sum_blocks(v, s, bits=4))
+    model = MLP(width, depth)
+    xb = jnp.asarray(rs.randn(batch // n_dev, width).astype(np.float32))
+    params = jax.tree_util.tree_map(
+        lambda p: p.astype(jnp.bfloat16), model.init(jax.random.key(0), xb)["params"]
+    )
+    compute = jax.jit(jax.grad(lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)))
+    stages = {
+        # Forward gather: each device quantizes its 1/N shard, dequantizes the full weight.
+        "quantize int8 (own shard)": (q8, (g[: g.shape[0] // n_dev],), depth),
+        "dequantize int8 (full weight)": (d8, (v8, s8), depth),
+        # Backward: re-gather dequantizes again; gradient: quantize full, two fused hops.
+        "dequantize int8 (re-gather)": (d8, (v8, s8), depth),
+        "quantize+pack int4 (full gradient)": (q4, (g,), depth),
+        "hop-1 dequantize-sum-requantize": (hop1, (h1v, h1s), depth),
+        "hop-2 dequantize-sum": (hop2, (h2v, h2s), depth),
+        "model compute (fwd+bwd, 1 device)": (compute, (params, xb), 1),
+    }
+    out = {}
+    for name, (fn, args, count) in stages.items():
+        jax.block_until_ready(fn(*args))
+        out[name] = statistics.median(_time(fn, *args) for _ in range(repeats)) * count
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    sizes = [(256, 2, 16)] if args.quick else [(1024, 4, 64), (1536, 5, 64)]
+    rounds = 2 if args.quick else args.rounds
+    print(machine_line())
+    rows, stage_rows = [], []
+    for width, depth, batch in sizes:
+        params_m = depth * (width * width + width) / 1e6
+        times = step_times(width, depth, batch, rounds)
+        base = statistics.median(times["ZeRO-3"])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            rows.append(
+                {
+                    "model": f"MLP {depth}x{width} ({params_m:.1f}M)",
+                    "variant": name,
+                    "step_s_median": round(med, 4),
+                    "ratio_to_zero3": round(med / base, 3),
+                }
+            )
+        for stage, seconds in stage_times(width, depth, batch, 3 if args.quick else 7).items():
+            stage_rows.append(
+                {
+                    "model": f"MLP {depth}x{width} ({params_m:.1f}M)",
+                    "stage": stage,
+                    "ms_per_step_per_device": round(seconds * 1e3, 2),
+                }
+            )
+    head = ["model", "variant", "step s (median)", "ratio to ZeRO-3"]
+    table = markdown_table(head, [list(r.values()) for r in rows], "llrr")
+    stage_table = markdown_table(
+        ["model", "stage", "ms per step per device"],
+        [list(r.values()) for r in stage_rows],
+        "llr",
+    )
+    import pathlib
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "overhead.csv", rows)
+    write_csv(out / "overhead_stages.csv", stage_rows)
+    text = (
+        "# ZeRO++ compute overhead (no link limit)\n\n"
+        f"{machine_line()}; mesh 2x4, {rounds} interleaved rounds, bf16 compute.\n\n"
+        f"{table}\nStages of the ZeRO++ step (per device, summed over the weights, "
+        f"medians of single runs; devices share the 2 cores, so 8 devices' stages "
+        f"serialize):\n\n{stage_table}"
+    )
+    (out / "overhead.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
