@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from zeropp_jax import collectives as C
 from zeropp_jax import engine, make_mesh
+from zeropp_jax import feedback as F
 from zeropp_jax import quant as Q
 
 SCALE_ROUNDING = 1 + 2.0**-15  # scales are rounded up to 16 significant bits
@@ -406,7 +407,7 @@ def test_error_feedback_sums_lose_only_the_last_residual(shape, node_bits):
 
     def body(xs):
         def step(r, _):
-            out, r = C.two_hop_reduce_scatter_with_feedback(xs[0, 0], r, **kw)
+            out, r = F.two_hop_reduce_scatter_with_feedback(xs[0, 0], r, **kw)
             return r, out
 
         r0 = jnp.zeros(xs.shape[2:], jnp.float32)
@@ -435,7 +436,7 @@ def test_error_feedback_needs_a_quantized_first_event():
     mesh = make_mesh(2, 4)
     x = rand((2, 4, 8 * ROWS, COLS), seed=10)
     with pytest.raises(ValueError, match="unquantized"):
-        per_device(mesh, lambda s: C.first_event_residual(s, bits=None, block_size=8), x)
+        per_device(mesh, lambda s: F.first_event_residual(s, bits=None, block_size=8), x)
 
 
 def test_resume_with_stochastic_rounding_is_bit_identical(tmp_path):
