@@ -249,3 +249,34 @@ def test_bad_parameters(setup):
         )
     with pytest.raises(ValueError, match="config must be a zeropp_jax.ZeroPPConfig"):
         zpp.TrainState.create(apply_fn=None, params={}, tx=TX, mesh=mesh, config={})
+
+
+def test_non_batch_array_arguments_are_replicated():
+    """A model argument whose leading dimension is not the batch (a position table) is
+    given whole to every device, not split over them."""
+
+    class Shift(nn.Module):
+        @nn.compact
+        def __call__(self, x, table):
+            return nn.Dense(3)(x) + table[: x.shape[1]].sum()
+
+    mesh = zpp.make_mesh(2, 4)
+    x = np.ones((8, 4), np.float32)
+    table = np.arange(16, dtype=np.float32)  # leading dimension 16, batch 8
+    model = Shift()
+    params = model.init(jax.random.key(0), x, table)["params"]
+    state = zpp.TrainState.create(
+        apply_fn=model.apply,
+        params=params,
+        tx=optax.sgd(0.0),
+        mesh=mesh,
+        config=zpp.ZeroPPConfig(**EXACT),
+    )
+
+    def step_fn(state, batch):
+        out = state.apply_fn({"params": state.params}, batch, table)
+        return state, {"out": out}
+
+    _, m = zpp.shard(step_fn, mesh=mesh, config=zpp.ZeroPPConfig(**EXACT))(state, x)
+    ref = model.apply({"params": params}, x, table)
+    np.testing.assert_allclose(np.asarray(m["out"]), np.asarray(ref), rtol=1e-6)

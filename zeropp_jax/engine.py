@@ -131,8 +131,9 @@ def make_island_apply(
     `IslandApply` binds it (the step keys stochastic rounding; None without it).
 
     The returned function takes `({'params': stored_params, ...}, *args, **kwargs)` in the
-    global view: array arguments with at least one dimension are batch-sharded along axis
-    0 over all devices; 0-d arrays and `rngs=` keys are replicated (keys are folded with
+    global view: the leading dimension of the first array argument is the global batch;
+    array arguments with that leading dimension are batch-sharded along axis 0 over all
+    devices; other arrays, 0-d arrays and `rngs=` keys are replicated (keys are folded with
     the device index so every device draws its own dropout mask); anything else is passed
     through as a static Python value. Every model output must carry the batch as its
     leading dimension; outputs come back batch-sharded in the global view.
@@ -173,7 +174,12 @@ def make_island_apply(
             )
         rngs = kwargs.pop("rngs", None)
         leaves, in_def = jax.tree_util.tree_flatten((args, kwargs))
-        batch_idx = [i for i, x in enumerate(leaves) if _is_batch_leaf(x)]
+        # The global batch is the leading dimension of the first array argument; only
+        # arrays with that leading dimension are split over the devices, every other
+        # array (e.g. a position table) is replicated.
+        first = next((x for x in leaves if _is_batch_leaf(x)), None)
+        batch = None if first is None else first.shape[0]
+        batch_idx = [i for i, x in enumerate(leaves) if _is_batch_leaf(x) and x.shape[0] == batch]
         rep_idx = [i for i, x in enumerate(leaves) if _is_array(x) and i not in batch_idx]
         static = {i: x for i, x in enumerate(leaves) if i not in batch_idx and i not in rep_idx}
         other_leaves, other_def = jax.tree_util.tree_flatten(others)
