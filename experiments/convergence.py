@@ -1,0 +1,782 @@
+"""Convergence: ZeRO++ trains like ZeRO-3; and how many gradient quantization events it
+takes before the loss moves.
+
+    python experiments/convergence.py                  # six variants, 800 steps (~40 min)
+    python experiments/convergence.py --study events   # k = 0..32 extra 4-bit events (~75 min)
+    python experiments/convergence.py --report-only    # rewrite the tables from finished runs
+    python experiments/convergence.py --quick --study all --out /tmp/cv   # smoke run
+
+(times on 2 shared CPU cores). `--seed`, `--variants`, `--ks`, `--events-bits` and
+`--steps` change the study; a run whose folder already holds a finished run of the same
+command is reused, not trained again.
+
+`--study main` trains the trainer's byte-level GPT (`zeropp-train`) on the Python standard
+library once per variant, all with the same seed, data order and validation batches:
+ZeRO-3 (the reference), qwZ int8 only, qwZ int4 only, qgZ int4 only, full ZeRO++ (int8
+weights, hpZ, int4 two-hop gradients) and full ZeRO++ with int2 gradients. Each variant is
+one `python -m zeropp_jax.train` process with its own `--out` under `<out>/convergence/`;
+the validation-loss curves, final values and the gap to ZeRO-3 are rewritten after every
+variant, so an interrupted study keeps what it finished.
+
+`--study events` answers the paper's open question (how many quantization events can a
+gradient survive?): ZeRO-3 runs whose global gradient passes through k extra 4-bit
+quantization events before the optimizer sees it, k = 0, 1, 2, 4, ..., using
+`error_compounding.inject_quantization_events` in `mode="ring"` (the partial sum of a ring
+of k + 1 workers is dequantized, added to and re-quantized at every hop, so each event
+quantizes a different, growing sum). It reports the final validation loss per k and the
+first k whose final loss is more than 1% above k = 0.
+
+Writes `convergence.{md,csv,png}` and `convergence_events.{md,csv,png}` into `--out`
+(default `experiments/results/`); runs, their `metrics.jsonl` and logs under
+`<out>/convergence/` (checkpoints are deleted after each run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import _common
+
+_common.request_cpu_devices(8)
+
+import error_compounding  # noqa: E402
+
+GAP_THRESHOLD_PCT = 1.0
+REFERENCE = "zero3"
+VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "zero3": ("ZeRO-3 (reference)", ("--zero3",)),
+    "qwz8": ("qwZ int8 only", ("--weight-bits", "8", "--grad-bits", "none", "--no-hierarchical")),
+    "qwz4": ("qwZ int4 only", ("--weight-bits", "4", "--grad-bits", "none", "--no-hierarchical")),
+    "qgz4": ("qgZ int4 only", ("--weight-bits", "none", "--grad-bits", "4", "--no-hierarchical")),
+    "zeropp": ("ZeRO++ (int8 weights, hpZ, int4 grads)", ()),
+    "zeropp_g2": ("ZeRO++ with int2 grads", ("--grad-bits", "2")),
+}
+EVENT_BASE = ("--zero3",)  # k = 0 is plain ZeRO-3: the injected events are the only ones
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """Model, data and optimizer settings shared by every run of a study."""
+
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 128
+    batch: int = 16
+    steps: int = 800
+    eval_every: int = 50
+    eval_batches: int = 8
+    lr: float = 3e-3
+    seed: int = 0
+    max_corpus_mb: int = 16
+    ledger: bool = True  # the communication ledger of one step in summary.json
+
+    def flags(self) -> list[str]:
+        return [
+            *([] if self.ledger else ["--no-ledger"]),
+            *("--d-model", str(self.d_model), "--n-layers", str(self.n_layers)),
+            *("--n-heads", str(self.n_heads), "--seq-len", str(self.seq_len)),
+            *("--batch", str(self.batch), "--steps", str(self.steps)),
+            *("--eval-every", str(self.eval_every), "--eval-batches", str(self.eval_batches)),
+            *("--lr", str(self.lr), "--seed", str(self.seed)),
+            *("--max-corpus-mb", str(self.max_corpus_mb)),
+        ]
+
+
+MAIN = Schedule()
+EVENTS = dataclasses.replace(MAIN, steps=400)
+QUICK = Schedule(
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    seq_len=32,
+    batch=8,
+    steps=4,
+    eval_every=2,
+    eval_batches=1,
+    max_corpus_mb=1,
+    ledger=False,
+)
+QUICK_VARIANTS = ("zero3", "zeropp")
+QUICK_KS = (0, 2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Injection:
+    """k extra quantization events on the gradient (see `inject_quantization_events`)."""
+
+    k: int
+    bits: int = 4
+    block_size: int = 256
+    mode: str = "ring"
+    seed: int = 0
+
+    def flags(self) -> list[str]:
+        return [
+            *("--inject-k", str(self.k), "--inject-bits", str(self.bits)),
+            *("--inject-block-size", str(self.block_size), "--inject-mode", self.mode),
+            *("--inject-seed", str(self.seed)),
+        ]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+    """One training run of a study, trained into `<out>/convergence/<path>`."""
+
+    name: str
+    label: str
+    path: str
+    trainer_flags: tuple[str, ...]
+    injection: Injection | None = None
+
+    def command(self, schedule: Schedule, out: pathlib.Path) -> list[str]:
+        """The command line (without the interpreter) that trains this run into `out`, to
+        run from the repository root (`out` is shown relative to it when inside it)."""
+        out = _relative(out)
+        tail = [
+            *schedule.flags(),
+            *self.trainer_flags,
+            *("--out", str(out), "--save-every", "0", "--no-progress"),
+        ]
+        if self.injection is None:
+            return ["-m", "zeropp_jax.train", *tail]
+        script = pathlib.Path(__file__).resolve().relative_to(_common.ROOT)
+        tail += [] if "--no-ledger" in tail else ["--no-ledger"]
+        return [str(script), "--worker", *self.injection.flags(), "--", *tail]
+
+
+def _relative(path: pathlib.Path) -> pathlib.Path:
+    try:
+        return path.resolve().relative_to(_common.ROOT)
+    except ValueError:
+        return path
+
+
+# ------------------------------------------------------------------ injected train step
+
+
+def events_stem(bits: int) -> str:
+    """Name of the events study at `bits` (its folder and file stem)."""
+    return "events" if bits == 4 else f"events_b{bits}"
+
+
+def event_runs(ks: Sequence[int], bits: int, seed: int) -> list[Run]:
+    """The runs of the events study; k = 0 (no event, whatever the bits) is shared."""
+    return [
+        Run(
+            name=f"k{k}",
+            label=f"k = {k}",
+            path=f"events/k{k}" if k == 0 else f"{events_stem(bits)}/k{k}",
+            trainer_flags=EVENT_BASE,
+            injection=Injection(k=k, bits=bits if k else 4, seed=seed),
+        )
+        for k in ks
+    ]
+
+
+def injected_train_step(injection: Injection):
+    """`zeropp_jax.train.cli.train_step` with `injection.k` quantization events applied to
+    the gradient (global view, after the engine's reduction) before `apply_gradients`.
+    The noise key is `fold_in(key(injection.seed), step)`: a fresh draw every step."""
+    import jax
+
+    from zeropp_jax.train.model import cross_entropy
+
+    def train_step(state, batch):
+        def loss(params):
+            logits = state.apply_fn({"params": params}, batch[:, :-1], train=True)
+            return cross_entropy(logits, batch[:, 1:])
+
+        value, grads = jax.value_and_grad(loss)(state.params)
+        grads = error_compounding.inject_quantization_events(
+            grads,
+            injection.k,
+            bits=injection.bits,
+            block_size=injection.block_size,
+            key=jax.random.fold_in(jax.random.key(injection.seed), state.step),
+            mode=injection.mode,
+        )
+        return state.apply_gradients(grads=grads), {"loss": value}
+
+    return train_step
+
+
+@contextlib.contextmanager
+def trainer_step(injection: Injection | None) -> Iterator[None]:
+    """Makes the trainer compile `injected_train_step(injection)` inside the block."""
+    from zeropp_jax.train import cli
+
+    original = cli.train_step
+    if injection is not None:
+        cli.train_step = injected_train_step(injection)
+    try:
+        yield
+    finally:
+        cli.train_step = original
+
+
+def worker(argv: Sequence[str]) -> int:
+    """`convergence.py --worker [--inject-*] -- TRAINER FLAGS`: one injected run."""
+    from zeropp_jax.train import cli
+
+    if "--" not in argv:
+        raise SystemExit("--worker needs '--' before the trainer flags")
+    cut = list(argv).index("--")
+    p = argparse.ArgumentParser(prog="convergence.py --worker")
+    p.add_argument("--inject-k", type=int, required=True)
+    p.add_argument("--inject-bits", type=int, default=4)
+    p.add_argument("--inject-block-size", type=int, default=256)
+    p.add_argument("--inject-mode", default="ring")
+    p.add_argument("--inject-seed", type=int, default=0)
+    a = p.parse_args(argv[:cut])
+    injection = Injection(
+        k=a.inject_k,
+        bits=a.inject_bits,
+        block_size=a.inject_block_size,
+        mode=a.inject_mode,
+        seed=a.inject_seed,
+    )
+    with trainer_step(injection):
+        return cli.main(argv[cut + 1 :])
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def _matches(out: pathlib.Path, command: Sequence[str]) -> bool:
+    """Whether `out` holds a finished run of exactly `command`."""
+    try:
+        return (
+            json.loads((out / "command.json").read_text()) == list(command)
+            and (out / "summary.json").exists()
+        )
+    except (OSError, ValueError):
+        return False
+
+
+def train(
+    run: Run,
+    schedule: Schedule,
+    out: pathlib.Path,
+    *,
+    timeout: float,
+    in_process: bool,
+    machine: str,
+    log,
+) -> str:
+    """Trains `run` into `out` unless `out` already holds it. Returns "done", "reused",
+    "timeout" or "failed (rc N)"; checkpoints are deleted afterwards. `machine` (date and
+    platform) goes to `out/machine.txt`."""
+    command = run.command(schedule, out)
+    if _matches(out, command):
+        log(f"{run.name}: reusing the finished run in {out}")
+        return "reused"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / "command.json").write_text(json.dumps(command))
+    (out / "machine.txt").write_text(machine + "\n")
+    log(f"{run.name}: python {' '.join(command)}")
+    start = time.time()
+    if in_process:
+        status = _train_in_process(run, command)
+    else:
+        status = _train_subprocess(command, out / "train.log", timeout)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    if status == "done" and not (out / "summary.json").exists():
+        status = "failed (no summary)"
+    if status != "done":
+        (out / "command.json").unlink(missing_ok=True)
+    log(f"{run.name}: {status} after {time.time() - start:.0f} s")
+    return status
+
+
+def _train_in_process(run: Run, command: Sequence[str]) -> str:
+    from zeropp_jax.train import cli
+
+    argv = list(command[2:]) if command[0] == "-m" else list(command[command.index("--") + 1 :])
+    with trainer_step(run.injection):
+        cli.main(argv)
+    return "done"
+
+
+def _train_subprocess(command: Sequence[str], log_path: pathlib.Path, timeout: float) -> str:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(_common.ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, *command],
+            cwd=_common.ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=max(timeout, 1.0))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            return "timeout"
+    return "done" if rc == 0 else f"failed (rc {rc})"
+
+
+def read_run(out: pathlib.Path) -> dict[str, Any]:
+    """Curves and summary of a run directory (partial when the run did not finish)."""
+    val, train_loss = [], []
+    path = out / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if "val_loss" in rec:
+                val.append((rec["step"], rec["val_loss"]))
+            elif "loss" in rec:
+                train_loss.append((rec["step"], rec["loss"]))
+    summary = {}
+    if (out / "summary.json").exists():
+        summary = json.loads((out / "summary.json").read_text())
+    machine = (out / "machine.txt").read_text().strip() if (out / "machine.txt").exists() else ""
+    return {"val": val, "train": train_loss, "summary": summary, "machine": machine}
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def _gap_pct(value: float, reference: float | None) -> float | None:
+    if reference is None:
+        return None
+    return 100.0 * (value - reference) / reference
+
+
+def _mean_gap_pct(val: Sequence[tuple[int, float]], ref: Sequence[tuple[int, float]]):
+    """Mean over the common evaluation steps of the gap of `val` to `ref`, in percent."""
+    ref = dict(ref)
+    gaps = [100.0 * (v - ref[s]) / ref[s] for s, v in val if s in ref]
+    return sum(gaps) / len(gaps) if gaps else None
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main_rows(runs: Sequence[Run], data: dict[str, dict]) -> list[dict[str, Any]]:
+    """One row per finished run of the main study, with the gap to ZeRO-3."""
+    ref = data.get(REFERENCE, {}).get("summary", {}).get("final_val_loss")
+    ref_val = data.get(REFERENCE, {}).get("val", [])
+    rows = []
+    for run in runs:
+        d = data.get(run.name)
+        if not d or not d["summary"]:
+            continue
+        s = d["summary"]
+        ledger = s.get("ledger", {}).get("ZeRO-3" if run.name == REFERENCE else "ZeRO++", {})
+        rows.append(
+            dict(
+                variant=run.name,
+                label=run.label,
+                flags=" ".join(run.trainer_flags) or "(defaults)",
+                final_val_loss=s["final_val_loss"],
+                gap_pct=_gap_pct(s["final_val_loss"], ref),
+                mean_gap_pct=_mean_gap_pct(d["val"], ref_val),
+                final_train_loss=s["final_train_loss"],
+                tokens_per_s=s["tokens_per_s"],
+                wall_s=s["wall_s"],
+                ledger_total_M=ledger.get("total_M"),
+                ledger_cross_node_M=ledger.get("cross_node_M"),
+            )
+        )
+    return rows
+
+
+def main_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    head = [
+        "variant",
+        "trainer flags",
+        "final val loss (nats/byte)",
+        "gap to ZeRO-3",
+        "mean gap over evals",
+        "final train loss",
+        "tokens/s",
+        "wall (s)",
+        "ledger total / cross-node (M)",
+    ]
+    body = [
+        [
+            r["label"],
+            f"`{r['flags']}`",
+            f"{r['final_val_loss']:.4f}",
+            _pct(r["gap_pct"]),
+            _pct(r["mean_gap_pct"]),
+            f"{r['final_train_loss']:.4f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['wall_s']:.0f}",
+            f"{_fmt(r['ledger_total_M'], '.3f')} / {_fmt(r['ledger_cross_node_M'], '.3f')}",
+        ]
+        for r in rows
+    ]
+    return _common.markdown_table(head, body, "llrrrrrrr")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.2f}%"
+
+
+def event_rows(runs: Sequence[Run], data: dict[str, dict]) -> list[dict[str, Any]]:
+    """One row per finished k of the events study, with the gap to k = 0."""
+    ref = data.get("k0", {}).get("summary", {}).get("final_val_loss")
+    ref_val = data.get("k0", {}).get("val", [])
+    rows = []
+    for run in runs:
+        d = data.get(run.name)
+        if not d or not d["summary"]:
+            continue
+        s = d["summary"]
+        rows.append(
+            dict(
+                k=run.injection.k,
+                bits=run.injection.bits,
+                block_size=run.injection.block_size,
+                mode=run.injection.mode,
+                final_val_loss=s["final_val_loss"],
+                gap_pct=_gap_pct(s["final_val_loss"], ref),
+                mean_gap_pct=_mean_gap_pct(d["val"], ref_val),
+                final_train_loss=s["final_train_loss"],
+                tokens_per_s=s["tokens_per_s"],
+                wall_s=s["wall_s"],
+            )
+        )
+    return rows
+
+
+def first_break(rows: Sequence[dict[str, Any]], threshold: float = GAP_THRESHOLD_PCT):
+    """The smallest k whose final validation loss is more than `threshold` % above k = 0."""
+    for r in sorted(rows, key=lambda r: r["k"]):
+        if r["gap_pct"] is not None and r["gap_pct"] > threshold:
+            return r["k"]
+    return None
+
+
+def events_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    head = [
+        "k extra events",
+        "final val loss (nats/byte)",
+        "gap to k = 0",
+        "mean gap over evals",
+        "final train loss",
+        "tokens/s",
+        "wall (s)",
+    ]
+    body = [
+        [
+            r["k"],
+            f"{r['final_val_loss']:.4f}",
+            _pct(r["gap_pct"]),
+            _pct(r["mean_gap_pct"]),
+            f"{r['final_train_loss']:.4f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['wall_s']:.0f}",
+        ]
+        for r in sorted(rows, key=lambda r: r["k"])
+    ]
+    return _common.markdown_table(head, body, "rrrrrrr")
+
+
+def plot_curves(
+    runs: Sequence[Run],
+    data: dict[str, dict],
+    reference: str,
+    path: pathlib.Path,
+    title: str,
+) -> None:
+    """Validation loss per run (left) and its gap to `reference` in percent (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, gx) = plt.subplots(1, 2, figsize=(12, 4.6))
+    ref = dict(data.get(reference, {}).get("val", []))
+    largest_gap = 0.0
+    for run in runs:
+        val = data.get(run.name, {}).get("val", [])
+        if not val:
+            continue
+        steps, losses = zip(*val, strict=True)
+        done = bool(data[run.name]["summary"])
+        label = run.label + ("" if done else " (incomplete)")
+        (line,) = ax.plot(steps, losses, marker="o", ms=2.5, lw=1.2, label=label)
+        common = [(s, v) for s, v in val if s in ref]
+        if common and run.name != reference:
+            gaps = [100 * (v - ref[s]) / ref[s] for s, v in common]
+            largest_gap = max(largest_gap, *map(abs, gaps))
+            gx.plot(
+                [s for s, _ in common],
+                gaps,
+                marker="o",
+                ms=2.5,
+                lw=1.2,
+                color=line.get_color(),
+            )
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    lo = [v for d in data.values() for _, v in d.get("val", [])[1:]]
+    if lo:
+        ax.set_ylim(min(lo) - 0.05, max(lo) + 0.05)
+    gx.axhline(0, color="k", lw=0.8)
+    for t in (GAP_THRESHOLD_PCT, -GAP_THRESHOLD_PCT):
+        gx.axhline(t, color="gray", ls="--", lw=0.8)
+    gx.set_xlabel("step")
+    if largest_gap > 5:  # keep the 1% band readable next to a run that breaks
+        gx.set_yscale("symlog", linthresh=2.0)
+        ticks = [t for t in (-2, -1, 0, 1, 2, 5, 10, 20, 50, 100) if t <= 2 * largest_gap]
+        gx.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    gx.set_ylabel(f"gap to {reference} (%)")
+    gx.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _header(data: dict[str, dict], schedule: Schedule, argv: Sequence[str]) -> str:
+    machines = [d["machine"] for d in data.values() if d.get("machine")]
+    machine = machines[0] if machines else "-"
+    if len(machines) > 1:
+        machine += f" (last run started {machines[-1].split(';')[0]})"
+    return (
+        f"<!-- generated by experiments/convergence.py {' '.join(argv)} -->\n\n"
+        f"Machine: {machine}.\n\nSchedule (every run): `{' '.join(schedule.flags())}` "
+        "(AdamW, warmup + cosine, bfloat16 compute, 2 x 4 emulated CPU mesh).\n\n"
+    )
+
+
+def write_main(out: pathlib.Path, runs, data, status, schedule, argv) -> list[pathlib.Path]:
+    rows = main_rows(runs, data)
+    paths = [out / "convergence.md", out / "convergence.csv", out / "convergence.png"]
+    text = _header(data, schedule, argv) + main_markdown(rows)
+    zpp = next((r for r in rows if r["variant"] == "zeropp"), None)
+    if zpp is not None and zpp["gap_pct"] is not None:
+        ok = abs(zpp["gap_pct"]) <= GAP_THRESHOLD_PCT
+        text += (
+            f"\nFull ZeRO++ ends {zpp['gap_pct']:+.2f}% from ZeRO-3: "
+            f"{'within' if ok else 'outside'} the {GAP_THRESHOLD_PCT:g}% goal.\n"
+        )
+    missing = [
+        f"{r.name}: {status.get(r.name, 'not run')}"
+        for r in runs
+        if r.name not in {row["variant"] for row in rows}
+    ]
+    if missing:
+        text += "\nNot finished: " + "; ".join(missing) + ".\n"
+    text += "\nCommands (from the repository root):\n\n```\n"
+    text += "\n".join(
+        f"python {' '.join(r.command(schedule, out / 'convergence' / r.path))}" for r in runs
+    )
+    text += "\n```\n"
+    _common.write_text(paths[0], text)
+    if rows:
+        _common.write_csv(paths[1], rows)
+    plot_curves(
+        runs, data, REFERENCE, paths[2], "ZeRO++ variants vs ZeRO-3: same seed, data, val batches"
+    )
+    return paths
+
+
+def write_events(
+    out: pathlib.Path, runs, data, status, schedule, argv, bits: int
+) -> list[pathlib.Path]:
+    rows = event_rows(runs, data)
+    stem = events_stem(bits)
+    paths = [out / f"convergence_{stem}.md", out / f"convergence_{stem}.csv"]
+    paths.append(out / f"convergence_{stem}.png")
+    inj = dataclasses.replace(runs[-1].injection, bits=bits)
+    text = _header(data, schedule, argv)
+    text += (
+        f"ZeRO-3 (`--zero3`) with k extra {inj.bits}-bit quantization events (blocks of "
+        f"{inj.block_size}, mode `{inj.mode}`) applied to the global gradient before the "
+        "optimizer; k = 0 is plain ZeRO-3.\n\n" + events_markdown(rows)
+    )
+    if rows and any(r["k"] == 0 for r in rows):
+        k = first_break(rows)
+        tested = max(r["k"] for r in rows)
+        text += f"\nFirst k more than {GAP_THRESHOLD_PCT:g}% above k = 0: " + (
+            f"**k = {k}**.\n" if k is not None else f"none up to k = {tested}.\n"
+        )
+    missing = [
+        f"k={r.injection.k}: {status.get(r.name, 'not run')}"
+        for r in runs
+        if r.injection.k not in {row["k"] for row in rows}
+    ]
+    if missing:
+        text += "\nNot finished: " + "; ".join(missing) + ".\n"
+    text += "\nCommands (from the repository root):\n\n```\n"
+    text += "\n".join(
+        f"python {' '.join(r.command(schedule, out / 'convergence' / r.path))}" for r in runs
+    )
+    text += "\n```\n"
+    _common.write_text(paths[0], text)
+    if rows:
+        _common.write_csv(paths[1], rows)
+    plot_curves(runs, data, "k0", paths[2], f"k extra {bits}-bit gradient events (ZeRO-3)")
+    return paths
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def run_study(
+    runs: Sequence[Run],
+    schedule: Schedule,
+    root: pathlib.Path,
+    write,
+    *,
+    deadline: float,
+    in_process: bool,
+    machine: str,
+    log,
+) -> dict[str, str]:
+    """Trains `runs` in order into `root/<run.path>`, calling `write(data, status)` after
+    each. Finished runs are reused whatever the deadline; past it, the others are skipped
+    (a partial curve left by an earlier attempt is still plotted)."""
+    data, status = {}, {}
+    for run in runs:
+        out = root / run.path
+        left = deadline - time.time()
+        if left < 60 and not _matches(out, run.command(schedule, out)):
+            status[run.name] = "skipped (study time budget spent)"
+            log(f"{run.name}: {status[run.name]}")
+            if out.exists():
+                data[run.name] = read_run(out)
+            continue
+        status[run.name] = train(
+            run,
+            schedule,
+            root / run.path,
+            timeout=left,
+            in_process=in_process,
+            machine=machine,
+            log=log,
+        )
+        data[run.name] = read_run(root / run.path)
+        write(data, status)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--worker":
+        return worker(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--study", choices=("main", "events", "all"), default="main")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (2 variants, 2 k)")
+    p.add_argument("--variants", default=None, help="comma-separated subset of the variants")
+    p.add_argument("--ks", default="0,1,2,4,8,16,32", help="k values of the events study")
+    p.add_argument("--steps", type=int, default=None, help="override the steps of the study")
+    p.add_argument("--seed", type=int, default=None, help="override the seed (default 0)")
+    p.add_argument("--events-steps", type=int, default=None, help="steps of the events study")
+    p.add_argument("--events-bits", type=int, choices=(2, 4, 8), default=4)
+    p.add_argument("--budget-min", type=float, default=80.0, help="wall-time bound per study")
+    p.add_argument("--in-process", action="store_true", help="train in this process")
+    p.add_argument(
+        "--report-only", action="store_true", help="rewrite the tables from finished runs"
+    )
+    p.add_argument("--out", type=pathlib.Path, default=None)
+    args = p.parse_args(argv)
+
+    out = args.out or (
+        _common.ROOT / "runs" / "convergence_quick" if args.quick else _common.RESULTS
+    )
+    schedule = QUICK if args.quick else MAIN
+    if args.steps:
+        schedule = dataclasses.replace(schedule, steps=args.steps)
+    events_schedule = QUICK if args.quick else EVENTS
+    if args.events_steps:
+        events_schedule = dataclasses.replace(events_schedule, steps=args.events_steps)
+    if args.seed is not None:
+        schedule = dataclasses.replace(schedule, seed=args.seed)
+        events_schedule = dataclasses.replace(events_schedule, seed=args.seed)
+    names = QUICK_VARIANTS if args.quick else tuple(VARIANTS)
+    if args.variants:
+        names = tuple(v.strip() for v in args.variants.split(","))
+        unknown = [v for v in names if v not in VARIANTS]
+        if unknown:
+            p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    ks = QUICK_KS if args.quick else tuple(int(k) for k in args.ks.split(","))
+    if 0 not in ks:
+        p.error(f"--ks {args.ks} must include 0 (the reference)")
+
+    machine = _common.machine_line()
+    root = out / "convergence"
+    root.mkdir(parents=True, exist_ok=True)
+
+    def logger(path: pathlib.Path):
+        def log(msg: str) -> None:
+            line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+            print(line, flush=True)
+            with open(path, "a") as f:
+                f.write(line + "\n")
+
+        return log
+
+    if args.study in ("main", "all"):
+        log = logger(root / "log.txt")
+        log(f"main study on {machine}")
+        runs = [
+            Run(name=n, label=VARIANTS[n][0], path=n, trainer_flags=VARIANTS[n][1]) for n in names
+        ]
+        start = time.time()
+        status = run_study(
+            runs,
+            schedule,
+            root,
+            lambda data, status: write_main(out, runs, data, status, schedule, argv),
+            deadline=start + (0 if args.report_only else 60 * args.budget_min),
+            in_process=args.in_process,
+            machine=machine,
+            log=log,
+        )
+        log(f"main study: {status} in {time.time() - start:.0f} s")
+    if args.study in ("events", "all"):
+        (root / events_stem(args.events_bits)).mkdir(parents=True, exist_ok=True)
+        log = logger(root / events_stem(args.events_bits) / "log.txt")
+        log(f"events study ({args.events_bits} bits) on {machine}")
+        runs = event_runs(ks, args.events_bits, events_schedule.seed)
+        start = time.time()
+        status = run_study(
+            runs,
+            events_schedule,
+            root,
+            lambda data, status: write_events(
+                out, runs, data, status, events_schedule, argv, args.events_bits
+            ),
+            deadline=start + (0 if args.report_only else 60 * args.budget_min),
+            in_process=args.in_process,
+            machine=machine,
+            log=log,
+        )
+        log(f"events study: {status} in {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
