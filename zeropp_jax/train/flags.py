@@ -1,0 +1,217 @@
+"""The flags of `zeropp-train`: the parser and the checks that need no devices.
+
+A bad flag or flag combination raises `UsageError`, which the CLI prints as one line
+(`zeropp-train: error: ...`) with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+
+from zeropp_jax.config import KERNELS
+
+PROG = "zeropp-train"
+
+
+class UsageError(Exception):
+    """A bad flag or flag combination: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage block
+        raise UsageError(message)
+
+
+def _bits(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    if text in ("8", "4", "2"):
+        return int(text)
+    raise argparse.ArgumentTypeError(f"invalid bit width {text!r} (choose from 8, 4, 2, none)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `zeropp-train`."""
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    g = p.add_argument_group("model")
+    g.add_argument("--d-model", type=_positive, default=128, help="residual width (128)")
+    g.add_argument("--n-layers", type=_positive, default=4, help="transformer blocks (4)")
+    g.add_argument("--n-heads", type=_positive, default=4, help="attention heads (4)")
+    g.add_argument("--seq-len", type=_positive, default=128, help="tokens per sequence (128)")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=_positive, default=200, help="optimizer steps (200)")
+    g.add_argument("--batch", type=_positive, default=32, help="global batch, sequences (32)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
+    g.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=None,
+        help="warmup steps (default: min(100, steps // 10))",
+    )
+    g.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=0.1,
+        help="final learning rate as a fraction of --lr (0.1)",
+    )
+    g.add_argument(
+        "--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (0.1)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="parameter init and data order (0)")
+    g.add_argument(
+        "--eval-every",
+        type=_non_negative,
+        default=100,
+        help="steps between validation passes, 0 = only at the end (100)",
+    )
+    g.add_argument(
+        "--eval-batches", type=_positive, default=8, help="validation batches per pass (8)"
+    )
+    g.add_argument(
+        "--max-corpus-mb",
+        type=_positive,
+        default=16,
+        help="MB of stdlib source read at start-up (16)",
+    )
+
+    g = p.add_argument_group("mesh and ZeRO++")
+    g.add_argument(
+        "--nodes",
+        type=_positive,
+        default=None,
+        help="size of the 'node' axis (default: 2 on emulated CPU devices, one per process "
+        "under zeropp_jax.launch, else one per host)",
+    )
+    g.add_argument(
+        "--local",
+        type=_positive,
+        default=None,
+        help="size of the 'local' axis (default: devices / nodes)",
+    )
+    g.add_argument(
+        "--weight-bits",
+        type=_bits,
+        default=8,
+        help="qwZ: bits on the weight all-gathers, 8/4/2/none (8)",
+    )
+    g.add_argument(
+        "--grad-bits",
+        type=_bits,
+        default=4,
+        help="qgZ: bits on the gradient reduction, 8/4/2/none (4)",
+    )
+    g.add_argument(
+        "--no-hierarchical",
+        action="store_true",
+        help="hpZ off: no secondary weight shard inside each node",
+    )
+    g.add_argument(
+        "--weight-block-size",
+        type=_positive,
+        default=256,
+        help="values per quantization block on weight gathers (256)",
+    )
+    g.add_argument(
+        "--grad-block-size",
+        type=_positive,
+        default=256,
+        help="values per quantization block on the gradient reduction (256)",
+    )
+    g.add_argument(
+        "--compute-dtype",
+        choices=("bfloat16", "float32", "float16"),
+        default="bfloat16",
+        help="dtype the model runs in (bfloat16)",
+    )
+    g.add_argument(
+        "--kernels",
+        choices=KERNELS,
+        default="auto",
+        help="quantizer implementation (auto: Pallas on GPU, XLA elsewhere)",
+    )
+    g.add_argument(
+        "--zero3",
+        action="store_true",
+        help="plain ZeRO-3 baseline: no quantization, no secondary shard "
+        "(overrides --weight-bits, --grad-bits, --no-hierarchical)",
+    )
+
+    g = p.add_argument_group("output and checkpoints")
+    g.add_argument("--out", default=None, help="output directory (default: runs/<--name>)")
+    g.add_argument(
+        "--name",
+        default=None,
+        help="run name under runs/ when --out is not given (default: a timestamp)",
+    )
+    g.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+    )
+    g.add_argument(
+        "--save-every",
+        type=_non_negative,
+        default=100,
+        help="steps between checkpoints, 0 = only at the end (100)",
+    )
+    g.add_argument(
+        "--no-ledger", action="store_true", help="skip the communication ledger in the summary"
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    g = p.add_argument_group("multi-host (jax.distributed)")
+    g.add_argument("--coordinator", default=None, help="coordinator address host:port")
+    g.add_argument("--num-processes", type=_positive, default=None, help="processes in the job")
+    g.add_argument("--process-id", type=_non_negative, default=None, help="this process's id")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() with cluster auto-detection",
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses and checks flags that need no devices. Raises `UsageError`."""
+    args = build_parser().parse_args(argv)
+    if args.zero3:
+        args.weight_bits, args.grad_bits, args.no_hierarchical = None, None, True
+    if args.d_model % args.n_heads:
+        raise UsageError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
+    if not args.lr > 0 or not math.isfinite(args.lr):
+        raise UsageError(f"--lr must be a positive number, got {args.lr}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise UsageError(f"--min-lr-ratio must lie in [0, 1], got {args.min_lr_ratio}")
+    if args.resume and args.out is None:
+        raise UsageError("--resume needs --out DIR, the directory of the run to continue")
+    multi = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in multi) and any(v is None for v in multi):
+        raise UsageError("--coordinator, --num-processes and --process-id go together")
+    if args.num_processes is not None and args.process_id >= args.num_processes:
+        raise UsageError(
+            f"--process-id {args.process_id} must be below --num-processes {args.num_processes}"
+        )
+    if args.distributed and args.coordinator is not None:
+        raise UsageError("give either --distributed (auto-detect) or --coordinator, not both")
+    return args
