@@ -62,6 +62,13 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "qgz4": ("qgZ int4 only", ("--weight-bits", "none", "--grad-bits", "4", "--no-hierarchical")),
     "zeropp": ("ZeRO++ (int8 weights, hpZ, int4 grads)", ()),
     "zeropp_g2": ("ZeRO++ with int2 grads", ("--grad-bits", "2")),
+    # Beyond ZeRO++ (issue #10).
+    "zeropp_delta4": ("ZeRO++ with int4 weight deltas", ("--weight-delta-bits", "4")),
+    "zeropp_delta2": ("ZeRO++ with int2 weight deltas", ("--weight-delta-bits", "2")),
+    "zeropp_delta4_n2": (
+        "ZeRO++, int4 weight deltas, int8/int2 grad hops",
+        ("--weight-delta-bits", "4", "--grad-bits", "8", "--grad-node-bits", "2"),
+    ),
 }
 EVENT_BASE = ("--zero3",)  # k = 0 is plain ZeRO-3: the injected events are the only ones
 

@@ -195,7 +195,8 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
 
     Returns:
       `target` with step, parameters, optimizer state and skipped-step counter from the
-      checkpoint, sharded for `target.mesh`.
+      checkpoint, sharded for `target.mesh` (and, with `weight_delta_bits`, references
+      rebuilt from the restored parameters by a full weight gather).
 
     Raises:
       ValueError: for a folder that is not a checkpoint, or trees that differ.
@@ -242,9 +243,13 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
         return jax.jit(_resize_rows, static_argnums=1, out_shardings=tgt.sharding)(x, tgt.shape[0])
 
     loaded = jax.tree_util.tree_map(fit, loaded, want)
-    return target.replace(
+    restored = target.replace(
         step=loaded["step"],
         params=loaded["params"],
         opt_state=loaded["opt_state"],
         skipped_steps=loaded["skipped_steps"],
     )
+    # The weight-delta references are rebuilt from the restored parameters by one full
+    # gather (they are never read from a checkpoint): the first step after a restore
+    # starts from freshly sent weights on whatever mesh it runs.
+    return restored.reset_weight_references()

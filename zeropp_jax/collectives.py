@@ -677,6 +677,42 @@ def gather_weight(x: jax.Array, spec: GatherSpec, key: jax.Array | None = None) 
     return _gather_full(x, wire, key, spec)
 
 
+def gather_weight_from_reference(
+    x: jax.Array, reference: jax.Array, spec: GatherSpec, key: jax.Array | None = None
+) -> jax.Array:
+    """`gather_weight` for the weight-delta gather (`zeropp_jax.delta`): the secondary
+    shard is the kept `reference`, so only the intra-node stage 2 runs here.
+
+    Stage 2 sends the reference in `spec.weight_local_bits` ("same": `spec.weight_bits`,
+    re-quantized from the reference; None: its raw 16-bit values). The cotangent of `x` is
+    the gradient reduction of `gather_weight`; `reference` is not differentiated.
+
+    Args:
+      x: per-device float32 master shard `(rows, ...)` (differentiated through).
+      reference: per-device reference `(num_nodes * rows, ...)` in `spec.dtype`.
+      spec: what to send (`spec.hierarchical` must be True).
+      key: as for `gather_weight`.
+
+    Returns:
+      `(N * rows, ...)` in `spec.dtype`.
+    """
+    if not spec.hierarchical:
+        raise ValueError("gather_weight_from_reference needs GatherSpec.hierarchical=True.")
+    stage2 = _local_bits(spec)
+    ref = lax.stop_gradient(reference).astype(spec.dtype)
+    wire = requantize_secondary(
+        (to_wire(ref),),
+        x.shape,
+        spec.dtype,
+        bits=None,
+        local_bits=stage2,
+        block_size=spec.weight_block_size,
+        codec=spec.codec,
+    )
+    wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
+    return _gather_full(x, wire, key, dataclasses.replace(spec, weight_local_bits=stage2))
+
+
 def _local_bits(spec: GatherSpec) -> Format | None:
     return spec.weight_bits if spec.weight_local_bits == "same" else spec.weight_local_bits
 

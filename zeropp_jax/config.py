@@ -62,6 +62,16 @@ class ZeroPPConfig:
         value (8, 4, 2, "e4m3", None) dequantizes the secondary shard and re-quantizes it
         for stage 2, which adds a second quantization event on every weight value. Needs
         `hierarchical=True`.
+      weight_delta_bits: send weight deltas across nodes instead of weights (beyond
+        ZeRO++; see `zeropp_jax.delta`). None (default) gathers the full quantized weights
+        every step. A format (4 is the intended one; 8, 2, "e4m3") keeps each device's
+        secondary shard across steps as a reference in the train state and sends, across
+        nodes, only the block-quantized difference between the new master shard and that
+        reference (blocks of `weight_block_size`); sender and receivers apply the same
+        dequantized delta, so they never drift. The reference is built with one full
+        `weight_bits` gather at `TrainState.create` and after a checkpoint restore. Stage 2
+        (over `local`) sends the reference in `weight_local_bits` ("same": `weight_bits`).
+        Needs `hierarchical=True`.
       hierarchical: hpZ. Keep a secondary weight shard inside each node so the backward
         weight gather runs over the `local` axis only. False re-gathers over all devices.
       grad_bits: qgZ. Bits per gradient value on the two-hop gradient reduction (8, 4 or 2),
@@ -101,6 +111,7 @@ class ZeroPPConfig:
     grad_node_block_size: int | None = None
     stochastic_rounding: bool = False
     rounding_seed: int = 0
+    weight_delta_bits: int | str | None = None
 
     def __post_init__(self) -> None:
         _check_bits("weight_bits", self.weight_bits, WEIGHT_BITS)
@@ -117,6 +128,15 @@ class ZeroPPConfig:
                     f"{SAME!r} when hierarchical=False",
                     "The second gather stage exists only with hpZ; set hierarchical=True.",
                 )
+        _check_bits("weight_delta_bits", self.weight_delta_bits, WEIGHT_BITS)
+        if self.weight_delta_bits is not None and not self.hierarchical:
+            _fail(
+                "weight_delta_bits",
+                self.weight_delta_bits,
+                "None when hierarchical=False",
+                "The weight delta is taken against the kept secondary shard, which exists "
+                "only with hpZ; set hierarchical=True.",
+            )
         if self.grad_node_bits != SAME:
             _check_bits("grad_node_bits", self.grad_node_bits, (SAME, *GRAD_BITS))
         if not isinstance(self.stochastic_rounding, bool):
@@ -178,4 +198,5 @@ class ZeroPPConfig:
             and self.grad_bits is None
             and self.grad_hop2_bits is None
             and not self.hierarchical
+            and self.weight_delta_bits is None
         )

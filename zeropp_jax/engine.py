@@ -24,6 +24,7 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 
 from zeropp_jax import collectives as C
+from zeropp_jax import delta as D
 from zeropp_jax import partition as part
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.mesh import mesh_shape
@@ -49,6 +50,7 @@ def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:
         config.weight_stage2_bits,
         config.grad_bits,
         config.grad_hop2_bits,
+        config.weight_delta_bits,
     )
     fp8 = [f for f in formats if isinstance(f, str) and is_float_format(f)]
     if fp8:
@@ -127,8 +129,10 @@ def make_island_apply(
 ) -> Callable[..., Any]:
     """Wraps `model_apply` (e.g. `model.apply`) into the sharded `apply_fn` of a TrainState.
 
-    The result takes the step counter first, `(step, variables, *args, **kwargs)`;
-    `IslandApply` binds it (the step keys stochastic rounding; None without it).
+    The result takes the step counter and the weight references first, `(step,
+    weight_ref, variables, *args, **kwargs)`; `IslandApply` binds both (the step keys
+    stochastic rounding, None without it; `weight_ref` holds, per parameter leaf, the kept
+    secondary shard of the weight-delta gather, None without `config.weight_delta_bits`).
 
     The returned function takes `({'params': stored_params, ...}, *args, **kwargs)` in the
     global view: the leading dimension of the first array argument is the global batch;
@@ -144,13 +148,21 @@ def make_island_apply(
     policy = remat_policy(config)
     compute = jnp.dtype(config.compute_dtype)
     param_specs = [part.leaf_spec(lo) for lo in leaf_layouts]
+    # Pallas calls (interpreted or not) carry no varying-axes types.
+    check_vma = codec is XLA_CODEC
 
-    def materialize(stored: list[jax.Array], step: jax.Array | None) -> list[jax.Array]:
+    def materialize(
+        stored: list[jax.Array], refs: list[jax.Array], step: jax.Array | None
+    ) -> list[jax.Array]:
         out = []
+        ref_iter = iter(refs)
         for i, (x, lo) in enumerate(zip(stored, leaf_layouts, strict=True)):
             if lo.sharded:
                 key = None if step is None else rounding_key(config, step, i)
-                full = C.gather_weight(x, spec, key)
+                if config.weight_delta_bits is None:
+                    full = C.gather_weight(x, spec, key)
+                else:
+                    full = C.gather_weight_from_reference(x, next(ref_iter), spec, key)
                 out.append(full[: lo.shape[0]])
             elif jnp.issubdtype(x.dtype, jnp.floating):
                 out.append(x.astype(compute))
@@ -158,7 +170,9 @@ def make_island_apply(
                 out.append(x)
         return out
 
-    def apply_fn(step: jax.Array | None, variables: Any, *args: Any, **kwargs: Any) -> Any:
+    def apply_fn(
+        step: jax.Array | None, weight_ref: Any, variables: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         if "params" not in variables:
             raise ValueError(
                 "apply_fn expects variables={'params': state.params, ...}; got keys "
@@ -190,10 +204,25 @@ def make_island_apply(
                 "state.apply_fn (an IslandApply bound to state.step)."
             )
         steps = [] if step is None or not config.stochastic_rounding else [step]
+        refs = [r for r in (weight_ref or ()) if r is not None]
+        if config.weight_delta_bits is not None and len(refs) != sum(
+            lo.sharded for lo in leaf_layouts
+        ):
+            raise ValueError(
+                "ZeroPPConfig.weight_delta_bits needs the weight references of the state: "
+                "call state.apply_fn (an IslandApply that carries them)."
+            )
 
-        def body(p, batch, rep, oth, keys, steps):
-            def run(p, batch, rep, oth, keys, steps):
-                full = materialize(p, steps[0] if steps else None)
+        def body(p, refs, batch, rep, oth, keys, steps):
+            if check_vma:
+                # A reference is the same on every node; marked node-invariant, it would
+                # make the weight invariant too, and autodiff would psum the weight's
+                # cotangent over `node` before the two-hop reduction (a full-size
+                # cross-node all-reduce, and gradients counted num_nodes times).
+                refs = [jax.lax.pcast(r, "node", to="varying") for r in refs]
+
+            def run(p, refs, batch, rep, oth, keys, steps):
+                full = materialize(p, refs, steps[0] if steps else None)
                 merged = dict(static)
                 merged.update(zip(batch_idx, batch, strict=True))
                 merged.update(zip(rep_idx, rep, strict=True))
@@ -208,13 +237,14 @@ def make_island_apply(
                 v["params"] = jax.tree_util.tree_unflatten(treedef, full)
                 return model_apply(v, *a, **kw)
 
-            return jax.checkpoint(run, policy=policy)(p, batch, rep, oth, keys, steps)
+            return jax.checkpoint(run, policy=policy)(p, refs, batch, rep, oth, keys, steps)
 
         island = jax.shard_map(
             body,
             mesh=mesh,
             in_specs=(
                 param_specs,
+                [part.REFERENCE_SPEC] * len(refs),
                 [part.BATCH_SPEC] * len(batch_idx),
                 [part.REPLICATED] * len(rep_idx),
                 [part.REPLICATED] * len(other_leaves),
@@ -222,10 +252,11 @@ def make_island_apply(
                 [part.REPLICATED] * len(steps),
             ),
             out_specs=part.BATCH_SPEC,
-            check_vma=codec is XLA_CODEC,
+            check_vma=check_vma,
         )
         return island(
             p_leaves,
+            refs,
             [leaves[i] for i in batch_idx],
             [leaves[i] for i in rep_idx],
             other_leaves,
@@ -236,23 +267,95 @@ def make_island_apply(
     return apply_fn
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["step"], meta_fields=["fn"])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["step", "weight_ref"], meta_fields=["fn"]
+)
 @dataclasses.dataclass(frozen=True)
 class IslandApply:
     """The `apply_fn` of a zpp.TrainState: the sharded island of `make_island_apply`,
-    bound to the state's step counter.
+    bound to the state's step counter and weight references.
 
     Called like the model's apply, `(variables, *args, **kwargs)`. It is a pytree whose
-    only leaf is `step` (None, no leaf, unless `config.stochastic_rounding`): that is how
-    the step reaches the stochastic-rounding keys inside an unchanged train_step, which
-    only calls `state.apply_fn`. `TrainState` keeps `step` equal to its own step.
+    leaves are `step` (None, no leaf, unless `config.stochastic_rounding`) and `weight_ref`
+    (None unless `config.weight_delta_bits`; else a tuple with, per parameter leaf, its
+    reference, global shape of the padded parameter, sharded `PartitionSpec('local')`, or
+    None for a leaf that is not sharded). That is how they reach the island inside an
+    unchanged train_step, which only calls `state.apply_fn`. `TrainState` keeps `step`
+    equal to its own step and advances `weight_ref` in `apply_gradients`.
     """
 
     fn: Callable[..., Any]
     step: jax.Array | None = None
+    weight_ref: tuple[jax.Array | None, ...] | None = None
 
     def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(self.step, variables, *args, **kwargs)
+        return self.fn(self.step, self.weight_ref, variables, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- weight delta
+
+
+def _reference_map(
+    body: Callable[..., list[jax.Array]],
+    mesh: Mesh,
+    leaf_layouts: tuple[part.LeafLayout, ...],
+    params: Any,
+    refs: tuple[jax.Array | None, ...] | None,
+) -> tuple[jax.Array | None, ...]:
+    """Runs `body(shards[, refs])` over the sharded leaves in a shard_map island; the
+    result has one entry per leaf (None for a leaf that is not sharded)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    idx = [i for i, lo in enumerate(leaf_layouts) if lo.sharded]
+    args: list[Any] = [[leaves[i] for i in idx]]
+    in_specs: list[Any] = [[part.PARAM_SPEC] * len(idx)]
+    if refs is not None:
+        args.append([refs[i] for i in idx])
+        in_specs.append([part.REFERENCE_SPEC] * len(idx))
+    island = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=tuple(in_specs),
+        out_specs=[part.REFERENCE_SPEC] * len(idx),
+        # A gather over `node` is node-invariant, which the varying-axes check cannot see.
+        check_vma=False,
+    )
+    with jax.named_scope("zeropp_weight_delta"):
+        out = jax.jit(island)(*args)
+    result: list[jax.Array | None] = [None] * len(leaf_layouts)
+    for i, r in zip(idx, out, strict=True):
+        result[i] = r
+    return tuple(result)
+
+
+def full_weight_references(
+    params: Any, config: ZeroPPConfig, mesh: Mesh, leaf_layouts: tuple[part.LeafLayout, ...]
+) -> tuple[jax.Array | None, ...]:
+    """The weight-delta references built by one full `config.weight_bits` gather across
+    nodes (at `TrainState.create` and after a restore; see `zeropp_jax.delta`)."""
+    codec = resolve_codec(config)
+    kw = dict(bits=config.weight_bits, block_size=config.weight_block_size, codec=codec)
+
+    def body(shards):
+        return [D.full_reference(x, dtype=jnp.dtype(config.compute_dtype), **kw) for x in shards]
+
+    return _reference_map(body, mesh, leaf_layouts, params, None)
+
+
+def advance_weight_references(
+    params: Any,
+    refs: tuple[jax.Array | None, ...],
+    config: ZeroPPConfig,
+    mesh: Mesh,
+    leaf_layouts: tuple[part.LeafLayout, ...],
+) -> tuple[jax.Array | None, ...]:
+    """The references after one delta gather of `params` (the new master parameters)."""
+    codec = resolve_codec(config)
+    kw = dict(bits=config.weight_delta_bits, block_size=config.weight_block_size, codec=codec)
+
+    def body(shards, old):
+        return [D.delta_all_gather(x, r, **kw) for x, r in zip(shards, old, strict=True)]
+
+    return _reference_map(body, mesh, leaf_layouts, params, refs)
 
 
 # ----------------------------------------------------------------------------- state
@@ -295,7 +398,9 @@ class TrainState(train_state.TrainState):
     for non-finite gradients) and `grads_finite` (whether the last step's gradients were
     finite). `apply_fn` is an `IslandApply`, a pytree node: with
     `config.stochastic_rounding` it carries the step (kept equal to `step` whenever a
-    state is built, replaced or unflattened).
+    state is built, replaced or unflattened); with `config.weight_delta_bits` it carries
+    the weight-delta references (`weight_ref`), which `apply_gradients` advances with one
+    delta gather and `reset_weight_references` rebuilds with a full gather.
     """
 
     apply_fn: Callable[..., Any] = struct.field(pytree_node=True)
@@ -355,9 +460,12 @@ class TrainState(train_state.TrainState):
         replicated = NamedSharding(mesh, part.REPLICATED)
         step = jax.device_put(jnp.array(0, jnp.int32), replicated)
         island = make_island_apply(apply_fn, mesh, config, layouts)
+        refs = None
+        if config.weight_delta_bits is not None:
+            refs = full_weight_references(master, config, mesh, leaf_layouts)
         return cls(
             step=step,
-            apply_fn=IslandApply(island, step if config.stochastic_rounding else None),
+            apply_fn=IslandApply(island, step if config.stochastic_rounding else None, refs),
             params=master,
             tx=tx,
             opt_state=opt_state,
@@ -382,6 +490,11 @@ class TrainState(train_state.TrainState):
             new_params = jax.tree_util.tree_map(keep, new_params, self.params)
             new_opt_state = jax.tree_util.tree_map(keep, new_opt_state, self.opt_state)
             skipped = skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
+        if self.weight_ref is not None and "apply_fn" not in kwargs:
+            refs = advance_weight_references(
+                new_params, self.weight_ref, self.config, self.mesh, self.layouts[1]
+            )
+            kwargs["apply_fn"] = dataclasses.replace(self.apply_fn, weight_ref=refs)
         return self.replace(
             step=self.step + 1,
             params=new_params,
@@ -390,6 +503,23 @@ class TrainState(train_state.TrainState):
             grads_finite=finite,
             **kwargs,
         )
+
+    @property
+    def weight_ref(self) -> tuple[jax.Array | None, ...] | None:
+        """The weight-delta references (None unless `config.weight_delta_bits`): per
+        parameter leaf, the reconstruction every node holds of the padded parameter, in the
+        compute dtype, sharded `PartitionSpec('local')` (None for a leaf not sharded)."""
+        fn = self.apply_fn
+        return fn.weight_ref if isinstance(fn, IslandApply) else None
+
+    def reset_weight_references(self) -> TrainState:
+        """The state with its weight-delta references rebuilt from `params` by one full
+        `config.weight_bits` gather across nodes (what `restore_checkpoint` does); the
+        state itself without `config.weight_delta_bits`."""
+        if self.config is None or self.config.weight_delta_bits is None:
+            return self
+        refs = full_weight_references(self.params, self.config, self.mesh, self.layouts[1])
+        return self.replace(apply_fn=dataclasses.replace(self.apply_fn, weight_ref=refs))
 
     @property
     def param_count(self) -> int:

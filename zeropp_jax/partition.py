@@ -24,6 +24,9 @@ PARAM_SPEC = P(("local", "node"))
 BATCH_SPEC = P(("node", "local"))
 """Spec of a batch: leading dimension over all devices in node-major order."""
 REPLICATED = P()
+REFERENCE_SPEC = P("local")
+"""Spec of a weight-delta reference (`zeropp_jax.delta`): padded parameter shape, each
+local rank's secondary shard, the same on every node."""
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 

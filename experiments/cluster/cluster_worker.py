@@ -77,7 +77,11 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh):
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
-    config = {"zero3": zpp.ZeroPPConfig.zero3(), "zeropp": zpp.ZeroPPConfig()}[config_name]
+    config = {
+        "zero3": zpp.ZeroPPConfig.zero3(),
+        "zeropp": zpp.ZeroPPConfig(),
+        "zeropp_delta4": zpp.ZeroPPConfig(weight_delta_bits=4),
+    }[config_name]
     model = MLP()
     params = model.init(jax.random.key(0), np.zeros((1, width), np.float32))["params"]
     state = zpp.TrainState.create(

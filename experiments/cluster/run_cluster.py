@@ -45,7 +45,11 @@ DEFAULT_OUT = ROOT / "experiments" / "results"
 SUBNET = "10.231.0"  # private; lives only inside the two namespaces
 COORDINATOR_PORT = 29431  # the namespaces are new, so any port is free there
 LOCAL_DEVICES = 4
-CONFIG_LABELS = {"zero3": "ZeRO-3", "zeropp": "ZeRO++"}
+CONFIG_LABELS = {
+    "zero3": "ZeRO-3",
+    "zeropp": "ZeRO++",
+    "zeropp_delta4": "ZeRO++ with int4 weight deltas",
+}
 
 
 class Unavailable(RuntimeError):

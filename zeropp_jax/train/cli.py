@@ -28,7 +28,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from zeropp_jax.train.flags import PROG, UsageError, parse_args
+from zeropp_jax.train.flags import PROG, UsageError, parse_args, zeropp_config
 
 # Arguments that fix the model and the data order: a resumed run must repeat them.
 _RUN_IDENTITY = ("d_model", "n_layers", "n_heads", "seq_len", "batch", "seed", "max_corpus_mb")
@@ -102,21 +102,6 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------- pieces
-
-
-def zeropp_config(args: argparse.Namespace):
-    """The `ZeroPPConfig` the flags describe."""
-    import zeropp_jax as zpp
-
-    return zpp.ZeroPPConfig(
-        weight_bits=args.weight_bits,
-        weight_block_size=args.weight_block_size,
-        hierarchical=not args.no_hierarchical,
-        grad_bits=args.grad_bits,
-        grad_block_size=args.grad_block_size,
-        compute_dtype=args.compute_dtype,
-        kernels=args.kernels,
-    )
 
 
 def _launched_on_loopback(args: argparse.Namespace) -> bool:

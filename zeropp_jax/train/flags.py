@@ -32,6 +32,17 @@ def _bits(text: str) -> int | None:
     raise argparse.ArgumentTypeError(f"invalid bit width {text!r} (choose from 8, 4, 2, none)")
 
 
+def _hop_bits(text: str) -> int | str | None:
+    if text == "same":
+        return text
+    try:
+        return _bits(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"invalid bit width {text!r} (choose from 8, 4, 2, none, same)"
+        ) from None
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -124,6 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="qgZ: bits on the gradient reduction, 8/4/2/none (4)",
     )
     g.add_argument(
+        "--grad-node-bits",
+        type=_hop_bits,
+        default="same",
+        help="bits on gradient hop 2 (across nodes), 8/4/2/none/same (same: --grad-bits)",
+    )
+    g.add_argument(
+        "--weight-delta-bits",
+        type=_bits,
+        default=None,
+        help="send int weight deltas across nodes against the kept secondary shard, "
+        "8/4/2/none (none: full weights every step)",
+    )
+    g.add_argument(
         "--no-hierarchical",
         action="store_true",
         help="hpZ off: no secondary weight shard inside each node",
@@ -156,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--zero3",
         action="store_true",
         help="plain ZeRO-3 baseline: no quantization, no secondary shard "
-        "(overrides --weight-bits, --grad-bits, --no-hierarchical)",
+        "(overrides --weight-bits, --grad-bits, --grad-node-bits, --weight-delta-bits, "
+        "--no-hierarchical)",
     )
 
     g = p.add_argument_group("output and checkpoints")
@@ -197,6 +222,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.zero3:
         args.weight_bits, args.grad_bits, args.no_hierarchical = None, None, True
+        args.grad_node_bits, args.weight_delta_bits = "same", None
     if args.d_model % args.n_heads:
         raise UsageError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
     if not args.lr > 0 or not math.isfinite(args.lr):
@@ -215,3 +241,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.distributed and args.coordinator is not None:
         raise UsageError("give either --distributed (auto-detect) or --coordinator, not both")
     return args
+
+
+def zeropp_config(args: argparse.Namespace):
+    """The `ZeroPPConfig` the flags describe."""
+    import zeropp_jax as zpp
+
+    return zpp.ZeroPPConfig(
+        weight_bits=args.weight_bits,
+        weight_block_size=args.weight_block_size,
+        hierarchical=not args.no_hierarchical,
+        grad_bits=args.grad_bits,
+        grad_block_size=args.grad_block_size,
+        grad_node_bits=args.grad_node_bits,
+        weight_delta_bits=args.weight_delta_bits,
+        compute_dtype=args.compute_dtype,
+        kernels=args.kernels,
+    )
