@@ -54,8 +54,8 @@ COLUMNS = (
     ("fwd_gather", "intra", "forward gather, intra-node"),
     ("bwd_gather", "cross", "backward gather, cross-node"),
     ("bwd_gather", "intra", "backward gather, intra-node"),
-    ("grad", "cross", "gradients, cross-node"),
-    ("grad", "intra", "gradients, intra-node"),
+    ("grad_reduce", "cross", "gradients, cross-node"),
+    ("grad_reduce", "intra", "gradients, intra-node"),
     ("other", None, "other"),
 )
 
@@ -85,21 +85,11 @@ def step_ledger(
     return zpp.comm_ledger(step, state, batch)
 
 
-def part_of(record) -> str:
-    """Which column group a ledger record belongs to."""
-    if record.op == "all-gather":
-        return "fwd_gather" if record.phase == "forward" else "bwd_gather"
-    reductions = ("reduce-scatter", "all-to-all", "collective-permute")  # ZeRO-3: a ring
-    if record.op in reductions and record.phase == "backward":
-        return "grad"
-    return "other"
-
-
 def row(ledger: zpp.CommLedger) -> dict[tuple[str, str | None], float]:
     """Bytes per device in units of M, by (part, 'cross' / 'intra' / None)."""
     out = {(p, w): 0.0 for p, w, _ in COLUMNS}
     for r in ledger.records:
-        part = part_of(r)
+        part = r.part
         where = None if part == "other" else ("cross" if r.cross_node else "intra")
         out[(part, where)] += ledger.in_units_of_M(r.bytes_sent)
     return out

@@ -42,10 +42,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
+from zeropp_jax.ledger import PARTS  # noqa: E402
 from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn  # noqa: E402
 
 QUANTIZED_DTYPES = ("int8", "uint8")
-PARTS = ("fwd_gather", "bwd_gather", "grad_reduce", "other")
 PART_TITLES = {
     "fwd_gather": "forward gather",
     "bwd_gather": "backward gather",
@@ -120,18 +120,6 @@ def step_ledger(size: ModelSize, config: zpp.ZeroPPConfig, mesh_shape: tuple[int
     return zpp.comm_ledger(step, state, batch)
 
 
-def part_of(record) -> str:
-    """`fwd_gather`, `bwd_gather`, `grad_reduce` or `other` for a ledger record."""
-    if record.op == "all-gather":
-        return "fwd_gather" if record.phase == "forward" else "bwd_gather"
-    if (
-        record.op in ("reduce-scatter", "all-to-all", "collective-permute")
-        and record.phase == "backward"
-    ):
-        return "grad_reduce"
-    return "other"
-
-
 def scale_keys(records: Iterable[Any]) -> set[tuple[str, str, tuple[str, ...]]]:
     """(phase, op, axes) of the collectives that carry a quantized (int8/uint8) payload."""
     return {(r.phase, r.op, r.axes) for r in records if r.dtype in QUANTIZED_DTYPES}
@@ -152,7 +140,7 @@ def ledger_terms(ledger) -> list[dict[str, Any]]:
     terms: dict[tuple, dict[str, Any]] = {}
     for r in ledger.records:
         kind = "scale" if is_scale(r, quantized) else "payload"
-        key = (part_of(r), r.op, r.axes, r.group_size, r.cross_node, kind)
+        key = (r.part, r.op, r.axes, r.group_size, r.cross_node, kind)
         t = terms.setdefault(
             key,
             dict(
@@ -184,7 +172,7 @@ def volume_row(ledger) -> dict[str, float]:
     for r in ledger.records:
         m = ledger.in_units_of_M(r.bytes_sent)
         where = "cross" if r.cross_node else "intra"
-        row[f"{part_of(r)}_{where}"] += m
+        row[f"{r.part}_{where}"] += m
         row[f"total_{where}"] += m
         row["total"] += m
         if is_scale(r, quantized):

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import zeropp_jax as zpp
 from zeropp_jax import CommLedger, comm_ledger
 from zeropp_jax.hlo_text import parse_replica_groups
 from zeropp_jax.ledger import CollectiveRecord
@@ -449,3 +452,73 @@ def test_ledger_sums_and_markdown():
     assert "M" not in no_m.to_markdown().splitlines()[0].split("|")[-2]
     with pytest.raises(ValueError, match="param_count"):
         no_m.in_units_of_M(1.0)
+
+
+# ------------------------------------------------------- parts of a real training step
+
+
+class _Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(jnp.tanh(nn.Dense(37)(x)))
+
+
+def _step_ledger(config: zpp.ZeroPPConfig) -> CommLedger:
+    """The ledger of one adam step of a small MLP on a 2 x 4 mesh."""
+
+    def train_step(state, b):
+        def loss(p):
+            return jnp.mean((state.apply_fn({"params": p}, b["x"]) - b["y"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": value}
+
+    mesh = zpp.make_mesh(2, 4)
+    x = np.ones((16, 11), np.float32)
+    params = _Net().init(jax.random.key(0), x)["params"]
+    state = zpp.TrainState.create(
+        apply_fn=_Net().apply, params=params, tx=optax.adam(1e-3), mesh=mesh, config=config
+    )
+    step = zpp.shard(train_step, mesh=mesh, config=config)
+    return comm_ledger(step, state, {"x": x, "y": x[:, :3]})
+
+
+def test_part_of_each_collective_of_a_training_step():
+    zeropp = _step_ledger(zpp.ZeroPPConfig())
+    # qwZ and hpZ: forward gathers, backward gathers inside the node; qgZ: all-to-alls.
+    assert {(r.op, r.phase, r.part) for r in zeropp.records} == {
+        ("all-gather", "forward", "fwd_gather"),
+        ("all-gather", "backward", "bwd_gather"),
+        ("all-to-all", "backward", "grad_reduce"),
+    }
+    assert {r.part for r in zeropp.records if r.cross_node} == {"fwd_gather", "grad_reduce"}
+    by_part = zeropp.bytes_by("part")
+    assert set(by_part) == {("fwd_gather",), ("bwd_gather",), ("grad_reduce",)}
+    assert sum(by_part.values()) == zeropp.total_bytes
+
+    # ZeRO-3 reduces gradients with a ring of collective-permutes.
+    zero3 = _step_ledger(zpp.ZeroPPConfig.zero3())
+    assert {(r.op, r.phase, r.part) for r in zero3.records} == {
+        ("all-gather", "forward", "fwd_gather"),
+        ("all-gather", "backward", "bwd_gather"),
+        ("collective-permute", "backward", "grad_reduce"),
+    }
+
+
+@pytest.mark.parametrize(
+    "op,phase,part",
+    [
+        ("all-gather", "forward", "fwd_gather"),
+        ("all-gather", "backward", "bwd_gather"),
+        ("reduce-scatter", "backward", "grad_reduce"),
+        ("all-to-all", "backward", "grad_reduce"),
+        ("collective-permute", "backward", "grad_reduce"),
+        ("reduce-scatter", "forward", "other"),
+        ("all-to-all", "forward", "other"),
+        ("collective-permute", "forward", "other"),
+        ("all-reduce", "forward", "other"),
+        ("all-reduce", "backward", "other"),
+    ],
+)
+def test_part_rule(op, phase, part):
+    assert _record(op, ("node",), True, phase, 8, 8, 2).part == part

@@ -29,6 +29,8 @@ How the HLO is read:
     itself in the pre-optimisation HLO (counter from a constant, `+1`, `< N`). Any other
     `while` takes `known_trip_count` from the compiled HLO, matched by source location
     and phase. A loop whose count neither gives raises a `ValueError`.
+  * Part: `CollectiveRecord.part` names the part of the step a collective serves, from
+    its op and phase: forward or backward weight gather, gradient reduction, or other.
   * Tuple-shaped (variadic) collectives give one record per element dtype, with the
     bytes of that dtype's elements summed.
   * Sizes use numpy item sizes: 4-bit and 2-bit types count one byte per element (what
@@ -64,6 +66,11 @@ from zeropp_jax.hlo_text import (
 )
 
 PHASES = ("forward", "backward")
+
+PARTS = ("fwd_gather", "bwd_gather", "grad_reduce", "other")
+"""The values of `CollectiveRecord.part`."""
+
+_GRAD_REDUCE_OPS = ("reduce-scatter", "all-to-all", "collective-permute")
 
 _BACKWARD_RE = re.compile(r"(?:^|[/(])(?:transpose\(|rematted_computation(?:/|$))")
 
@@ -106,6 +113,23 @@ class CollectiveRecord:
         return bytes_sent(self.op, self.in_bytes, self.out_bytes, self.group_size) * (
             self.trip_count
         )
+
+    @property
+    def part(self) -> str:
+        """Which part of the training step this collective serves.
+
+        Returns:
+          `'fwd_gather'` for a forward all-gather (the weight gather of the forward pass),
+          `'bwd_gather'` for a backward all-gather (the weights gathered again for the
+          backward pass), `'grad_reduce'` for a backward reduce-scatter, all-to-all or
+          collective-permute (the gradient reduction; ZeRO-3's ring is collective-permutes),
+          and `'other'` for the rest (all-reduces such as the loss, forward reductions).
+        """
+        if self.op == "all-gather":
+            return "fwd_gather" if self.phase == "forward" else "bwd_gather"
+        if self.op in _GRAD_REDUCE_OPS and self.phase == "backward":
+            return "grad_reduce"
+        return "other"
 
 
 def bytes_sent(op: str, in_bytes: int, out_bytes: int, group_size: int) -> float:
@@ -170,13 +194,14 @@ class CommLedger:
         """Sums bytes sent per device, grouped by record attributes.
 
         Args:
-          *keys: `CollectiveRecord` attribute names, e.g. `('phase', 'op', 'axes')`.
+          *keys: `CollectiveRecord` attribute names, e.g. `('phase', 'op', 'axes')`, or
+            `'part'` (`CollectiveRecord.part`).
 
         Returns:
           `{tuple of attribute values: bytes}`, e.g. `{('backward', 'all-gather',
           ('local',)): 4096.0, ...}`.
         """
-        valid = [f.name for f in dataclasses.fields(CollectiveRecord)]
+        valid = [f.name for f in dataclasses.fields(CollectiveRecord)] + ["part"]
         for key in keys:
             if key not in valid:
                 raise ValueError(f"bytes_by: unknown key {key!r}; expected some of {valid}.")
