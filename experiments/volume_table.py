@@ -61,9 +61,16 @@ VARIANTS: dict[str, zpp.ZeroPPConfig] = {
     "ZeRO++": zpp.ZeroPPConfig(),
     "ZeRO++ int4 weights": zpp.ZeroPPConfig(weight_bits=4),
     "ZeRO++ int2 gradients": zpp.ZeroPPConfig(grad_bits=2),
+    "ZeRO++ int4 weight deltas": zpp.ZeroPPConfig(weight_delta_bits=4),
+    "ZeRO++ int4 deltas + int8/int2 grads": zpp.ZeroPPConfig(
+        weight_delta_bits=4, grad_bits=8, grad_node_bits=2
+    ),
 }
 """The variants of the table: ZeRO-3, each technique alone, full ZeRO++ (int8 weights,
-hpZ, int4 gradients) and two lower-bit variants of it."""
+hpZ, int4 gradients), two lower-bit variants of it, and two with weight deltas (each device
+keeps its hpZ secondary shard across steps and the step sends int4 deltas across nodes; the
+delta gather runs in `apply_gradients`, so it counts as a forward gather), the second with
+int8 gradients inside the node and int2 across nodes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +244,7 @@ def volume_rows(
                 row["terms"] = ledger_terms(ledger)
             if verbose:
                 print(
-                    f"  {size.label} {row['mesh']} {name:<22} total {row['total']:.4f} M, "
+                    f"  {size.label} {row['mesh']} {name:<37} total {row['total']:.4f} M, "
                     f"paper count {row['paper_count']:.4f} M "
                     f"({time.perf_counter() - start:.1f} s)",
                     flush=True,
