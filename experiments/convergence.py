@@ -69,6 +69,26 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
         "ZeRO++, int4 weight deltas, int8/int2 grad hops",
         ("--weight-delta-bits", "4", "--grad-bits", "8", "--grad-node-bits", "2"),
     ),
+    "zeropp_delta4_local16": (
+        "ZeRO++, int4 weight deltas, 16-bit intra-node stage",
+        ("--weight-delta-bits", "4", "--weight-local-bits", "none"),
+    ),
+    "zeropp_ef": ("ZeRO++ with error feedback", ("--error-feedback", "all")),
+    "zeropp_g2_ef": (
+        "ZeRO++ with int2 grads and error feedback",
+        ("--grad-bits", "2", "--error-feedback", "all"),
+    ),
+    "zeropp_g2_efnode": (
+        "ZeRO++ with int2 grads, error feedback on the node hop",
+        ("--grad-bits", "2", "--error-feedback", "node"),
+    ),
+    "zeropp_delta4_n2_ef": (
+        "ZeRO++, int4 weight deltas, int8/int2 grad hops, error feedback on the node hop",
+        (
+            *("--weight-delta-bits", "4", "--grad-bits", "8", "--grad-node-bits", "2"),
+            *("--error-feedback", "node"),
+        ),
+    ),
 }
 EVENT_BASE = ("--zero3",)  # k = 0 is plain ZeRO-3: the injected events are the only ones
 

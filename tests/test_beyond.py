@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from zeropp_jax import collectives as C
 from zeropp_jax import engine, make_mesh
-from zeropp_jax import feedback as F
 from zeropp_jax import quant as Q
 
 SCALE_ROUNDING = 1 + 2.0**-15  # scales are rounded up to 16 significant bits
@@ -390,53 +389,6 @@ def test_ledger_per_hop_formats():
     node = sum(r.bytes_sent for r in led.records if r.phase == "backward" and r.axes == ("node",))
     local = sum(r.bytes_sent for r in led.records if r.phase == "backward" and r.axes == ("local",))
     assert node < local
-
-
-# ----------------------------------------------------------------------------- feedback
-
-
-@pytest.mark.parametrize("shape,node_bits", [((1, 8), 4), ((8, 1), 4), ((2, 4), None)])
-def test_error_feedback_sums_lose_only_the_last_residual(shape, node_bits):
-    # With one quantized event per contribution (hop 2 unquantized on 2x4), error
-    # feedback telescopes: sum_t out_t = T * exact - sum over devices of the last residual.
-    mesh = make_mesh(*shape)
-    nn, ll = shape
-    n, steps = nn * ll, 8
-    x = rand((nn, ll, n * ROWS, COLS), seed=9)
-    kw = dict(bits=4, block_size=8, node_bits=node_bits)
-
-    def body(xs):
-        def step(r, _):
-            out, r = F.two_hop_reduce_scatter_with_feedback(xs[0, 0], r, **kw)
-            return r, out
-
-        r0 = jnp.zeros(xs.shape[2:], jnp.float32)
-        r, outs = jax.lax.scan(step, r0, None, length=steps)
-        return outs.sum(0)[None, None], outs[0][None, None], r[None, None]
-
-    spec = P("node", "local")
-    f = jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=(spec,) * 3, check_vma=False)
-    total, first, last_r = (np.asarray(a, np.float64) for a in jax.jit(f)(x))
-    exact, bound = exact_and_bound(x, 4, 8, node_bits, 8)
-    lost = np.zeros_like(exact)
-    for dn in range(nn):
-        for dl in range(ll):
-            piece = dl * nn + dn
-            lost[dn, dl] = last_r[:, :, :].reshape(nn, ll, n, -1)[:, :, piece].sum((0, 1))
-    total = total.reshape(exact.shape)
-    scale = np.abs(exact).max() * steps
-    np.testing.assert_allclose(total + lost, steps * exact, rtol=0, atol=1e-5 * scale)
-    # The step-mean error is the last residual over T: below the one-step bound / T, while
-    # the first step (no residual yet: plain rounding) errs by up to the full bound.
-    assert np.all(np.abs(total / steps - exact) <= bound / steps + 1e-5 * scale / steps)
-    assert np.max(np.abs(first.reshape(exact.shape) - exact) - bound / steps) > 0
-
-
-def test_error_feedback_needs_a_quantized_first_event():
-    mesh = make_mesh(2, 4)
-    x = rand((2, 4, 8 * ROWS, COLS), seed=10)
-    with pytest.raises(ValueError, match="unquantized"):
-        per_device(mesh, lambda s: F.first_event_residual(s, bits=None, block_size=8), x)
 
 
 def test_resume_with_stochastic_rounding_is_bit_identical(tmp_path):

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax import collectives as C
 from zeropp_jax import make_mesh
+from zeropp_jax import weight_gather as W
 from zeropp_jax.quant import qmax
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
@@ -238,7 +239,7 @@ def test_quantized_two_hop_within_bound(shape, bits):
 def test_gather_weight_gradient_equals_unsharded(shape, hierarchical):
     mesh = make_mesh(*shape)
     n = shape[0] * shape[1]
-    spec = C.GatherSpec(
+    spec = W.GatherSpec(
         hierarchical=hierarchical,
         weight_bits=None,
         weight_block_size=8,
@@ -251,7 +252,7 @@ def test_gather_weight_gradient_equals_unsharded(shape, hierarchical):
     xs = rand((n * 3, 2 * n), seed=6)
 
     def island(w_shard, x_shard):
-        full = C.gather_weight(w_shard, spec)
+        full = W.gather_weight(w_shard, spec)
         return jnp.sum(jnp.tanh(x_shard @ full) ** 2)[None]
 
     f = jax.shard_map(
@@ -269,7 +270,7 @@ def test_gather_weight_gradient_equals_unsharded(shape, hierarchical):
 def test_gather_weight_quantized_gradient_within_bound(bits):
     mesh = make_mesh(2, 4)
     spec = functools.partial(
-        C.GatherSpec,
+        W.GatherSpec,
         hierarchical=True,
         weight_bits=None,
         weight_block_size=8,
@@ -282,7 +283,7 @@ def test_gather_weight_quantized_gradient_within_bound(bits):
 
     def grads(s):
         def island(w_shard, x_shard):
-            return jnp.sum(x_shard @ C.gather_weight(w_shard, s))[None]
+            return jnp.sum(x_shard @ W.gather_weight(w_shard, s))[None]
 
         f = jax.shard_map(
             island,

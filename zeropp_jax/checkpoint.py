@@ -4,13 +4,17 @@
 state and the skipped-step counter (each as stored: rows padded to a multiple of the
 device count) plus `zeropp.json` describing the parameter tree, into a staging folder
 that is renamed to `path` only once complete: a crash mid-save leaves any previous
-checkpoint at `path` loadable.
+checkpoint at `path` loadable. With `ZeroPPConfig.error_feedback` it also writes the
+error-feedback residuals (see `zeropp_jax.residuals`).
 
 `restore_checkpoint(path, target)` loads onto `target`, a `TrainState` built by
 `TrainState.create` on the mesh and config to restore onto. Padding rows are zero by
 construction, so a leaf saved with `P_old` rows becomes `P_new` rows by dropping or adding
 zero rows. Nothing derived from the old mesh is restored: the target's own fresh values
-are kept for everything that is not in the list above.
+are kept for everything that is not in the list above. Error-feedback residuals are
+restored as saved onto a mesh of the same shape; onto another mesh, what they owe the
+gradients (their sum per parameter row) is spread evenly over the new devices; a target
+without error feedback drops them (with a warning).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from typing import Any
 
 import jax
@@ -29,6 +34,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from zeropp_jax import partition as part
+from zeropp_jax import residuals as R
 from zeropp_jax.engine import TrainState
 
 FORMAT = "zeropp_jax.checkpoint/1"
@@ -36,13 +42,17 @@ STATE_DIR = "state"
 META_FILE = "zeropp.json"
 
 
-def _saved_tree(state: TrainState) -> dict[str, Any]:
-    return {
+def _saved_tree(state: TrainState, residuals: bool = True) -> dict[str, Any]:
+    params, res = R.split(state.params)
+    tree = {
         "step": state.step,
-        "params": state.params,
+        "params": params,
         "opt_state": state.opt_state,
         "skipped_steps": state.skipped_steps,
     }
+    if residuals and res is not None:
+        tree["error_feedback"] = res
+    return tree
 
 
 def _param_table(state: TrainState) -> list[list[Any]]:
@@ -67,8 +77,21 @@ def _metadata(state: TrainState) -> dict[str, Any]:
         },
         "params": _param_table(state),
         "opt_state_tree": str(jax.tree_util.tree_structure(state.opt_state)),
-        "stored_shapes": [list(x.shape) for x in jax.tree_util.tree_leaves(_saved_tree(state))],
+        "stored_shapes": [
+            list(x.shape) for x in jax.tree_util.tree_leaves(_saved_tree(state, residuals=False))
+        ],
+        "error_feedback": _residual_layout(state),
     }
+
+
+def _residual_layout(state: TrainState) -> dict[str, list[bool]] | None:
+    """Which leaves have residuals, per hop (None without error feedback)."""
+    _, res = R.split(state.params)
+    if res is None:
+        return None
+    layout: dict[str, Any] = {hop: [r is not None for r in res[hop]] for hop in ("hop1", "hop2")}
+    layout["shapes"] = [list(x.shape) for x in jax.tree_util.tree_leaves(res)]
+    return layout
 
 
 def _is_main() -> bool:
@@ -209,11 +232,12 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     path = os.path.abspath(os.fspath(path))
     meta = read_metadata(path)
     _check_compatible(meta, target)
-    want = _saved_tree(target)
+    want = _saved_tree(target, residuals=False)
     want_leaves, want_def = jax.tree_util.tree_flatten(want)
     shapes = [tuple(s) for s in meta["stored_shapes"]]
     mesh = target.mesh
     replicated = NamedSharding(mesh, part.REPLICATED)
+    saved_res = meta.get("error_feedback")
 
     def abstract(shape, tgt):
         sharding = tgt.sharding
@@ -232,6 +256,8 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     abstract_tree = jax.tree_util.tree_unflatten(
         want_def, [abstract(s, t) for s, t in zip(shapes, want_leaves, strict=True)]
     )
+    if saved_res is not None:
+        abstract_tree["error_feedback"] = _abstract_residuals(saved_res, mesh)
     ckptr = ocp.StandardCheckpointer()
     state_path = os.path.join(path, STATE_DIR)
     loaded = ckptr.restore(state_path, abstract_tree)
@@ -242,10 +268,11 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
             return x
         return jax.jit(_resize_rows, static_argnums=1, out_shardings=tgt.sharding)(x, tgt.shape[0])
 
+    residuals = _restored_residuals(loaded.pop("error_feedback", None), meta, target)
     loaded = jax.tree_util.tree_map(fit, loaded, want)
     restored = target.replace(
         step=loaded["step"],
-        params=loaded["params"],
+        params=R.join(loaded["params"], residuals),
         opt_state=loaded["opt_state"],
         skipped_steps=loaded["skipped_steps"],
     )
@@ -253,3 +280,52 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     # gather (they are never read from a checkpoint): the first step after a restore
     # starts from freshly sent weights on whatever mesh it runs.
     return restored.reset_weight_references()
+
+
+def _abstract_residuals(
+    saved: dict[str, Any], mesh: Any
+) -> dict[str, tuple[jax.ShapeDtypeStruct | None, ...]]:
+    it = iter(tuple(s) for s in saved["shapes"])
+
+    def one(present: bool) -> jax.ShapeDtypeStruct | None:
+        if not present:
+            return None
+        shape = next(it)
+        spec = R.SPEC if shape[0] % mesh.size == 0 else part.REPLICATED
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+
+    return {hop: tuple(one(p) for p in saved[hop]) for hop in ("hop1", "hop2")}
+
+
+def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -> Any:
+    """The target's residuals: as saved on a mesh of the same shape, else the saved ones'
+    missing mass spread over the target's devices; the target's own (zeros) when nothing
+    was saved."""
+    _, fresh = R.split(target.params)
+    if fresh is None:
+        if loaded is not None:
+            warnings.warn(
+                "the checkpoint holds error-feedback residuals but the target's config has "
+                "error_feedback=None: they are dropped (the gradients they still owed are "
+                "lost, a fraction of one step's rounding error).",
+                stacklevel=3,
+            )
+        return None
+    if loaded is None:
+        return fresh
+    shapes = [x.shape for x in jax.tree_util.tree_leaves(loaded)]
+    same = jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(fresh) and (
+        shapes == [x.shape for x in jax.tree_util.tree_leaves(fresh)]
+    )
+    if same and meta["mesh"] == {k: int(v) for k, v in target.mesh.shape.items()}:
+        return jax.tree_util.tree_map(lambda a, b: jax.device_put(a, b.sharding), loaded, fresh)
+    old_nn, old_ll = meta["mesh"]["node"], meta["mesh"]["local"]
+    old_n = old_nn * old_ll
+    old_layouts = tuple(
+        part.LeafLayout(lo.shape, lo.dtype, lo.sharded, -(-lo.shape[0] // old_n) * old_n)
+        if lo.sharded
+        else lo
+        for lo in target.layouts[1]
+    )
+    mass = R.missing_mass(loaded, old_layouts, old_nn, old_ll)
+    return R.respread(mass, target.layouts[1], target.config, target.mesh)

@@ -17,7 +17,6 @@ None of these functions looks up a mesh, a device count or a config: group sizes
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -25,12 +24,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from zeropp_jax.quant import XLA_CODEC, Codec, check_bits, num_blocks
-
-SECONDARY_NAME = "zeropp_secondary"
-"""`checkpoint_name` of the hpZ secondary shard (quantized values and scales, or raw bits)."""
 
 AxisName = str | tuple[str, ...]
 Format = int | str
@@ -506,6 +501,39 @@ def hop_keys(
     return jax.random.fold_in(dev, 1), jax.random.fold_in(dev, 2)
 
 
+def local_hop_per_piece(
+    x: jax.Array,
+    *,
+    bits: Format,
+    block_size: int,
+    node_axis: str = "node",
+    local_axis: str = "local",
+    codec: Codec = XLA_CODEC,
+    key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Hop 1 of the two-hop reduction: every one of the `N` pieces of `x` quantized in its
+    own blocks, all-to-all over `local_axis`, dequantized and summed in float32.
+
+    Returns:
+      `(partial, values, scales)`: the float32 partial sums `(num_nodes * rows, ...)` of
+      this device's secondary pieces, and what this device sent, `(local_size, nb, bytes)`
+      and `(local_size, nb)` (for error feedback).
+    """
+    nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
+    n = nn * ll
+    rows_shape = (x.shape[0] // n, *x.shape[1:])
+    piece = math.prod(rows_shape)
+    check_bits(bits, block_size)
+    blocks = shard_blocks(x, n, block_size)  # (N, nbp, bs), partition order
+    nbp, bs = blocks.shape[1:]
+    values, scales = _quantize(blocks.reshape(ll, nn * nbp, bs), bits, codec, key)
+    rv = lax.all_to_all(values, local_axis, 0, 0)
+    rs = lax.all_to_all(scales, local_axis, 0, 0)
+    summed = codec.dequantize_sum_blocks(rv, rs, bits=bits)
+    partial = summed.reshape(nn, -1)[:, :piece].reshape(nn * rows_shape[0], *rows_shape[1:])
+    return partial, values, scales
+
+
 def two_hop_reduce_scatter(
     x: jax.Array,
     *,
@@ -555,10 +583,21 @@ def two_hop_reduce_scatter(
     rows_shape = (x.shape[0] // n, *x.shape[1:])
     if bits is None or hop2_bits is None:
         partial = x
-        if ll > 1:
+        if ll > 1 and bits is None:
             partial = reduce_scatter_quantized(
-                x, axis_name=local_axis, bits=bits, block_size=block_size, codec=codec, key=k1
+                x, axis_name=local_axis, bits=None, block_size=block_size, codec=codec
             )
+        elif ll > 1:
+            partial = local_hop_per_piece(
+                x,
+                bits=bits,
+                block_size=block_size,
+                node_axis=node_axis,
+                local_axis=local_axis,
+                codec=codec,
+                key=k1,
+            )[0]
+        if ll > 1:
             if nn > 1 and hop2_bits is None:
                 partial = partial.astype(x.dtype)
         if nn == 1:
@@ -597,188 +636,3 @@ def two_hop_reduce_scatter(
     rv2 = lax.all_to_all(v2, node_axis, 0, 0)
     rs2 = lax.all_to_all(s2, node_axis, 0, 0)
     return unblock(codec.dequantize_sum_blocks(rv2, rs2, bits=hop2_bits)[None], rows_shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class GatherSpec:
-    """Static description of one differentiable weight gather (hashable).
-
-    Attributes:
-      hierarchical: two-stage gather through the secondary shard (hpZ) if True, else one
-        flat gather over both axes in node-major order (ZeRO-3).
-      weight_bits: bits on the weight gather (qwZ) or None.
-      weight_block_size: values per block on the weight gather.
-      grad_bits: bits on the gradient reduction (qgZ) or None.
-      grad_block_size: values per block on the gradient reduction.
-      two_hop: reduce gradients in two hops (local, then node) if True, else with one flat
-        reduce-scatter over both axes in node-major order.
-      dtype: dtype of the gathered weight (the compute dtype).
-      codec: block quantization implementation.
-      weight_local_bits: format of the second gather stage (hpZ only); "same" gathers the
-        stage-1 secondary shard as it is, any other value re-quantizes it (see
-        `requantize_secondary`).
-      grad_node_bits: format of gradient hop 2 (two-hop only); "same" uses `grad_bits`.
-      grad_node_block_size: block size of gradient hop 2; None uses `grad_block_size`.
-    """
-
-    hierarchical: bool
-    weight_bits: Format | None
-    weight_block_size: int
-    grad_bits: Format | None
-    grad_block_size: int
-    two_hop: bool
-    dtype: jnp.dtype
-    codec: Codec = XLA_CODEC
-    weight_local_bits: Format | None | str = "same"
-    grad_node_bits: Format | None | str = "same"
-    grad_node_block_size: int | None = None
-
-
-def gather_weight(x: jax.Array, spec: GatherSpec, key: jax.Array | None = None) -> jax.Array:
-    """Gathers a weight shard for compute; its gradient leaves through the matching
-    reduction (qgZ when `spec.grad_bits` is set).
-
-    With hpZ, stage 1 (the secondary shard, in wire form) is computed here and named
-    `SECONDARY_NAME`, so a remat policy can save it; stage 2 runs inside a custom VJP.
-
-    Under `jax.checkpoint` the backward pass re-gathers the weight. The custom VJP is
-    declared with `optimize_remat=True`: the forward pass runs its primal function and the
-    recompute runs its `fwd` rule, which emit the gather in two equivalent forms (see
-    `_all_gather`); identical instructions would be merged by XLA's CSE once the remat
-    barriers are expanded (XLA's CPU pipeline), keeping every full weight alive from the
-    forward to the backward pass. The wire bytes and the values are the same.
-
-    Args:
-      x: per-device float32 master shard `(rows, ...)` in partition layout.
-      spec: what to send.
-      key: a PRNG key for stochastic rounding of the gradient reduction, the same on every
-        device (see `hop_keys`); None rounds to nearest. Not differentiated.
-
-    Returns:
-      `(N * rows, ...)` in `spec.dtype`. The cotangent of `x` is the float32 sum over all
-      devices of their gradients for this device's piece.
-    """
-    wire: tuple[jax.Array, ...] = ()
-    if spec.hierarchical:
-        xc = lax.stop_gradient(x).astype(spec.dtype)
-        wire = secondary_gather(
-            xc, bits=spec.weight_bits, block_size=spec.weight_block_size, codec=spec.codec
-        )
-        wire = requantize_secondary(
-            wire,
-            x.shape,
-            spec.dtype,
-            bits=spec.weight_bits,
-            local_bits=spec.weight_local_bits,
-            block_size=spec.weight_block_size,
-            codec=spec.codec,
-        )
-        wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
-    return _gather_full(x, wire, key, spec)
-
-
-def gather_weight_from_reference(
-    x: jax.Array, reference: jax.Array, spec: GatherSpec, key: jax.Array | None = None
-) -> jax.Array:
-    """`gather_weight` for the weight-delta gather (`zeropp_jax.delta`): the secondary
-    shard is the kept `reference`, so only the intra-node stage 2 runs here.
-
-    Stage 2 sends the reference in `spec.weight_local_bits` ("same": `spec.weight_bits`,
-    re-quantized from the reference; None: its raw 16-bit values). The cotangent of `x` is
-    the gradient reduction of `gather_weight`; `reference` is not differentiated.
-
-    Args:
-      x: per-device float32 master shard `(rows, ...)` (differentiated through).
-      reference: per-device reference `(num_nodes * rows, ...)` in `spec.dtype`.
-      spec: what to send (`spec.hierarchical` must be True).
-      key: as for `gather_weight`.
-
-    Returns:
-      `(N * rows, ...)` in `spec.dtype`.
-    """
-    if not spec.hierarchical:
-        raise ValueError("gather_weight_from_reference needs GatherSpec.hierarchical=True.")
-    stage2 = _local_bits(spec)
-    ref = lax.stop_gradient(reference).astype(spec.dtype)
-    wire = requantize_secondary(
-        (to_wire(ref),),
-        x.shape,
-        spec.dtype,
-        bits=None,
-        local_bits=stage2,
-        block_size=spec.weight_block_size,
-        codec=spec.codec,
-    )
-    wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
-    return _gather_full(x, wire, key, dataclasses.replace(spec, weight_local_bits=stage2))
-
-
-def _local_bits(spec: GatherSpec) -> Format | None:
-    return spec.weight_bits if spec.weight_local_bits == "same" else spec.weight_local_bits
-
-
-def _gather_from(
-    x: jax.Array, wire: tuple[jax.Array, ...], spec: GatherSpec, alternate_form: bool
-) -> jax.Array:
-    if spec.hierarchical:
-        return gather_from_secondary(
-            wire,
-            x.shape,
-            spec.dtype,
-            bits=_local_bits(spec),
-            codec=spec.codec,
-            alternate_form=alternate_form,
-        )
-    return flat_all_gather(
-        x.astype(spec.dtype),
-        bits=spec.weight_bits,
-        block_size=spec.weight_block_size,
-        codec=spec.codec,
-        alternate_form=alternate_form,
-    )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gather_full(
-    x: jax.Array, wire: tuple[jax.Array, ...], key: jax.Array | None, spec: GatherSpec
-) -> jax.Array:
-    """The full weight from the shard `x` (flat) or from the secondary `wire` (hpZ); `key`
-    only feeds the backward rule (stochastic rounding)."""
-    return _gather_from(x, wire, spec, alternate_form=False)
-
-
-def _gather_full_fwd(
-    x: jax.Array, wire: tuple[jax.Array, ...], key: jax.Array | None, spec: GatherSpec
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None]]:
-    # The residual `-0.0` (x + -0.0 == x for every float x, signed zeros and NaN included)
-    # is what makes `optimize_remat` pick this rule for the recompute: JAX replaces a
-    # `fwd` whose residuals are unused by the primal function, which is what happens in
-    # the forward pass, where the policy saves no residual of this call.
-    full = _gather_from(x, wire, spec, alternate_form=True)
-    return full, (jnp.array(-0.0, jnp.float32), key)
-
-
-def _gather_full_bwd(
-    spec: GatherSpec, res: tuple[jax.Array, jax.Array | None], g: jax.Array
-) -> tuple[jax.Array, None, None]:
-    negative_zero, key = res
-    kw = dict(bits=spec.grad_bits, block_size=spec.grad_block_size, codec=spec.codec)
-    if spec.two_hop:
-        dx = two_hop_reduce_scatter(
-            g,
-            node_bits=spec.grad_node_bits,
-            node_block_size=spec.grad_node_block_size,
-            key=key,
-            **kw,
-        )
-    else:
-        if key is not None or spec.grad_node_bits != "same":
-            raise ValueError(
-                "stochastic rounding and grad_node_bits need the two-hop gradient reduction "
-                "(GatherSpec.two_hop=True)."
-            )
-        dx = flat_reduce_scatter(g, **kw)
-    return dx + negative_zero, None, None
-
-
-_gather_full.defvjp(_gather_full_fwd, _gather_full_bwd, optimize_remat=True)

@@ -18,6 +18,7 @@ SAME = "same"
 """A per-hop format field with this value uses the format of the first hop."""
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
+ERROR_FEEDBACK = (None, "node", "all")
 
 
 def _fail(field: str, value: Any, allowed: str, fix: str = "") -> None:
@@ -83,6 +84,18 @@ class ZeroPPConfig:
       grad_node_block_size: values per quantization block on gradient hop 2; None
         (default) uses `grad_block_size`. Hop 2 then re-blocks the partial sums (blocks
         never straddle two devices' pieces).
+      error_feedback: error feedback on the gradient hops (beyond ZeRO++; see
+        `zeropp_jax.feedback`). None (default): off. "node": the device that quantizes a
+        partial sum for the cross-node hop keeps what the quantization lost and adds it to
+        the next step's partial sum (memory: a float32 buffer of `num_nodes/N` of the
+        model per device). "all": also on the intra-node hop, for each device's own
+        gradient (memory: a float32 copy of the whole model per device). The residuals
+        travel as the gradient of `state.params["zeropp_error_feedback"]`, which
+        `apply_gradients` takes out before the optimizer; see the docs' concepts page.
+        Needs the two-hop reduction with that hop quantized.
+      error_feedback_decay: factor on the residual carried to the next step (LoCo's decay),
+        in (0, 1]; 1 is plain error feedback.
+      error_feedback_reset: zero the residuals every this many steps; 0 (default) never.
       stochastic_rounding: round the gradient hops stochastically (unbiased) instead of to
         nearest. The noise comes from a counter-based key: `rounding_seed`, the step, the
         device, the parameter leaf and the hop, so a run is reproducible. Needs a quantized
@@ -112,6 +125,9 @@ class ZeroPPConfig:
     stochastic_rounding: bool = False
     rounding_seed: int = 0
     weight_delta_bits: int | str | None = None
+    error_feedback: str | None = None
+    error_feedback_decay: float = 1.0
+    error_feedback_reset: int = 0
 
     def __post_init__(self) -> None:
         _check_bits("weight_bits", self.weight_bits, WEIGHT_BITS)
@@ -137,6 +153,7 @@ class ZeroPPConfig:
                 "The weight delta is taken against the kept secondary shard, which exists "
                 "only with hpZ; set hierarchical=True.",
             )
+        self._check_error_feedback()
         if self.grad_node_bits != SAME:
             _check_bits("grad_node_bits", self.grad_node_bits, (SAME, *GRAD_BITS))
         if not isinstance(self.stochastic_rounding, bool):
@@ -168,6 +185,33 @@ class ZeroPPConfig:
                 "Pass e.g. jnp.bfloat16.",
             )
         object.__setattr__(self, "compute_dtype", jnp.dtype(name))
+
+    def _check_error_feedback(self) -> None:
+        if self.error_feedback not in ERROR_FEEDBACK:
+            _fail("error_feedback", self.error_feedback, f"one of {ERROR_FEEDBACK}")
+        decay = self.error_feedback_decay
+        if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 < decay <= 1:
+            _fail("error_feedback_decay", decay, "a number in (0, 1]")
+        reset = self.error_feedback_reset
+        if isinstance(reset, bool) or not isinstance(reset, int) or reset < 0:
+            _fail("error_feedback_reset", reset, "an int >= 0 (0: never reset)")
+        if self.error_feedback is None:
+            return
+        hop2 = self.grad_bits if self.grad_node_bits == SAME else self.grad_node_bits
+        if self.error_feedback == "node" and hop2 is None:
+            _fail(
+                "error_feedback",
+                "node",
+                "None when the cross-node gradient hop is unquantized",
+                "Set grad_node_bits (or grad_bits) to a format.",
+            )
+        if self.grad_bits is None and hop2 is None:
+            _fail(
+                "error_feedback",
+                self.error_feedback,
+                "None when no gradient hop is quantized",
+                "Set grad_bits (or grad_node_bits) to a format.",
+            )
 
     @classmethod
     def zero3(cls, **overrides: Any) -> ZeroPPConfig:

@@ -23,9 +23,10 @@ from flax import struct
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 
-from zeropp_jax import collectives as C
 from zeropp_jax import delta as D
 from zeropp_jax import partition as part
+from zeropp_jax import residuals as R
+from zeropp_jax import weight_gather as W
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.quant import XLA_CODEC, Codec, is_float_format
@@ -69,9 +70,9 @@ def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:
     return pallas_kernels.codec(interpret=kind == "pallas_interpret")
 
 
-def gather_spec(config: ZeroPPConfig, codec: Codec) -> C.GatherSpec:
+def gather_spec(config: ZeroPPConfig, codec: Codec) -> W.GatherSpec:
     """How every sharded weight is gathered and how its gradient is reduced."""
-    return C.GatherSpec(
+    return W.GatherSpec(
         hierarchical=config.hierarchical,
         weight_bits=config.weight_bits,
         weight_block_size=config.weight_block_size,
@@ -105,7 +106,7 @@ def remat_policy(config: ZeroPPConfig) -> Callable[..., bool]:
     cp = jax.checkpoint_policies
     if config.hierarchical:
         return cp.save_from_both_policies(
-            cp.dots_saveable, cp.save_only_these_names(C.SECONDARY_NAME)
+            cp.dots_saveable, cp.save_only_these_names(W.SECONDARY_NAME)
         )
     return cp.dots_saveable
 
@@ -152,17 +153,29 @@ def make_island_apply(
     check_vma = codec is XLA_CODEC
 
     def materialize(
-        stored: list[jax.Array], refs: list[jax.Array], step: jax.Array | None
+        stored: list[jax.Array],
+        refs: list[jax.Array],
+        res: tuple[list[jax.Array], list[jax.Array]],
+        res_at: tuple[tuple[bool, bool], ...],
+        step: jax.Array | None,
     ) -> list[jax.Array]:
         out = []
         ref_iter = iter(refs)
+        r1_iter, r2_iter = iter(res[0]), iter(res[1])
         for i, (x, lo) in enumerate(zip(stored, leaf_layouts, strict=True)):
             if lo.sharded:
                 key = None if step is None else rounding_key(config, step, i)
+                has1, has2 = res_at[i] if res_at else (False, False)
+                residuals: W.Residuals = ()
+                if has1 or has2:
+                    residuals = (
+                        next(r1_iter) if has1 else None,
+                        next(r2_iter) if has2 else None,
+                    )
                 if config.weight_delta_bits is None:
-                    full = C.gather_weight(x, spec, key)
+                    full = W.gather_weight(x, spec, key, residuals)
                 else:
-                    full = C.gather_weight_from_reference(x, next(ref_iter), spec, key)
+                    full = W.gather_weight_from_reference(x, next(ref_iter), spec, key, residuals)
                 out.append(full[: lo.shape[0]])
             elif jnp.issubdtype(x.dtype, jnp.floating):
                 out.append(x.astype(compute))
@@ -178,7 +191,22 @@ def make_island_apply(
                 "apply_fn expects variables={'params': state.params, ...}; got keys "
                 f"{sorted(variables)}."
             )
-        params = variables["params"]
+        params, res_tree = R.split(variables["params"])
+        if config.error_feedback is not None and res_tree is None:
+            raise ValueError(
+                "ZeroPPConfig.error_feedback is on, but the parameters given to apply_fn "
+                f"have no {R.KEY!r} entry; pass state.params unchanged."
+            )
+        res_at: tuple[tuple[bool, bool], ...] = ()
+        res1: list[jax.Array] = []
+        res2: list[jax.Array] = []
+        if res_tree is not None:
+            res_at = tuple(
+                (a is not None, b is not None)
+                for a, b in zip(res_tree["hop1"], res_tree["hop2"], strict=True)
+            )
+            res1 = [r for r in res_tree["hop1"] if r is not None]
+            res2 = [r for r in res_tree["hop2"] if r is not None]
         others = {k: v for k, v in variables.items() if k != "params"}
         p_leaves, p_def = jax.tree_util.tree_flatten(params)
         if p_def != treedef:
@@ -213,7 +241,7 @@ def make_island_apply(
                 "call state.apply_fn (an IslandApply that carries them)."
             )
 
-        def body(p, refs, batch, rep, oth, keys, steps):
+        def body(p, refs, res, batch, rep, oth, keys, steps):
             if check_vma:
                 # A reference is the same on every node; marked node-invariant, it would
                 # make the weight invariant too, and autodiff would psum the weight's
@@ -221,8 +249,8 @@ def make_island_apply(
                 # cross-node all-reduce, and gradients counted num_nodes times).
                 refs = [jax.lax.pcast(r, "node", to="varying") for r in refs]
 
-            def run(p, refs, batch, rep, oth, keys, steps):
-                full = materialize(p, refs, steps[0] if steps else None)
+            def run(p, refs, res, batch, rep, oth, keys, steps):
+                full = materialize(p, refs, res, res_at, steps[0] if steps else None)
                 merged = dict(static)
                 merged.update(zip(batch_idx, batch, strict=True))
                 merged.update(zip(rep_idx, rep, strict=True))
@@ -237,7 +265,7 @@ def make_island_apply(
                 v["params"] = jax.tree_util.tree_unflatten(treedef, full)
                 return model_apply(v, *a, **kw)
 
-            return jax.checkpoint(run, policy=policy)(p, refs, batch, rep, oth, keys, steps)
+            return jax.checkpoint(run, policy=policy)(p, refs, res, batch, rep, oth, keys, steps)
 
         island = jax.shard_map(
             body,
@@ -245,6 +273,7 @@ def make_island_apply(
             in_specs=(
                 param_specs,
                 [part.REFERENCE_SPEC] * len(refs),
+                ([R.SPEC] * len(res1), [R.SPEC] * len(res2)),
                 [part.BATCH_SPEC] * len(batch_idx),
                 [part.REPLICATED] * len(rep_idx),
                 [part.REPLICATED] * len(other_leaves),
@@ -257,6 +286,7 @@ def make_island_apply(
         return island(
             p_leaves,
             refs,
+            (res1, res2),
             [leaves[i] for i in batch_idx],
             [leaves[i] for i in rep_idx],
             other_leaves,
@@ -456,6 +486,7 @@ class TrainState(train_state.TrainState):
         ]
         master = jax.tree_util.tree_unflatten(treedef, stored)
         opt_state = init_opt_state(tx, master, leaf_layouts, mesh)
+
         layouts = (treedef, leaf_layouts)
         replicated = NamedSharding(mesh, part.REPLICATED)
         step = jax.device_put(jnp.array(0, jnp.int32), replicated)
@@ -463,6 +494,7 @@ class TrainState(train_state.TrainState):
         refs = None
         if config.weight_delta_bits is not None:
             refs = full_weight_references(master, config, mesh, leaf_layouts)
+        master = R.join(master, R.zeros(leaf_layouts, config, mesh))
         return cls(
             step=step,
             apply_fn=IslandApply(island, step if config.stochastic_rounding else None, refs),
@@ -481,14 +513,26 @@ class TrainState(train_state.TrainState):
         """`tx.update` then `optax.apply_updates`, as in flax; with
         `config.skip_nonfinite_updates`, a step with non-finite gradients keeps parameters
         and optimizer state and counts itself in `skipped_steps`."""
-        updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params)
-        new_params = optax.apply_updates(self.params, updates)
+        params, old_res = R.split(self.params)
+        grads, new_res = R.split(grads)
+        if (old_res is None) != (new_res is None):
+            raise ValueError(
+                f"apply_gradients: the state's parameters {'have' if old_res else 'lack'} the "
+                f"error-feedback entry {R.KEY!r} but the gradients do"
+                f"{' not' if old_res else ''}; pass the gradients of state.params unchanged."
+            )
+        updates, new_opt_state = self.tx.update(grads, self.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
         finite = _all_finite(grads)
         skipped = self.skipped_steps
+        if new_res is not None:
+            new_res = R.advance(new_res, self.step, self.config)
         if self.config is not None and self.config.skip_nonfinite_updates:
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-            new_params = jax.tree_util.tree_map(keep, new_params, self.params)
+            new_params = jax.tree_util.tree_map(keep, new_params, params)
             new_opt_state = jax.tree_util.tree_map(keep, new_opt_state, self.opt_state)
+            if new_res is not None:
+                new_res = jax.tree_util.tree_map(keep, new_res, old_res)
             skipped = skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
         if self.weight_ref is not None and "apply_fn" not in kwargs:
             refs = advance_weight_references(
@@ -497,7 +541,7 @@ class TrainState(train_state.TrainState):
             kwargs["apply_fn"] = dataclasses.replace(self.apply_fn, weight_ref=refs)
         return self.replace(
             step=self.step + 1,
-            params=new_params,
+            params=R.join(new_params, new_res),
             opt_state=new_opt_state,
             skipped_steps=skipped,
             grads_finite=finite,
@@ -518,7 +562,8 @@ class TrainState(train_state.TrainState):
         state itself without `config.weight_delta_bits`."""
         if self.config is None or self.config.weight_delta_bits is None:
             return self
-        refs = full_weight_references(self.params, self.config, self.mesh, self.layouts[1])
+        params, _ = R.split(self.params)
+        refs = full_weight_references(params, self.config, self.mesh, self.layouts[1])
         return self.replace(apply_fn=dataclasses.replace(self.apply_fn, weight_ref=refs))
 
     @property
@@ -535,7 +580,8 @@ def gather_params(state: TrainState) -> Any:
     def unpad(leaves):
         return [part.from_master(x, lo) for x, lo in zip(leaves, leaf_layouts, strict=True)]
 
-    leaves = jax.jit(unpad, out_shardings=replicated)(jax.tree_util.tree_leaves(state.params))
+    params, _ = R.split(state.params)
+    leaves = jax.jit(unpad, out_shardings=replicated)(jax.tree_util.tree_leaves(params))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

@@ -148,6 +148,30 @@ def build_parser() -> argparse.ArgumentParser:
         "8/4/2/none (none: full weights every step)",
     )
     g.add_argument(
+        "--weight-local-bits",
+        type=_hop_bits,
+        default="same",
+        help="bits on the intra-node weight gather stage, 8/4/2/none/same (same: as sent)",
+    )
+    g.add_argument(
+        "--error-feedback",
+        choices=("none", "node", "all"),
+        default="none",
+        help="error feedback on the gradient hops: none, node (cross-node hop) or all (none)",
+    )
+    g.add_argument(
+        "--error-feedback-decay",
+        type=float,
+        default=1.0,
+        help="factor on the carried residual, in (0, 1] (1.0)",
+    )
+    g.add_argument(
+        "--error-feedback-reset",
+        type=_non_negative,
+        default=0,
+        help="zero the residuals every this many steps, 0 = never (0)",
+    )
+    g.add_argument(
         "--no-hierarchical",
         action="store_true",
         help="hpZ off: no secondary weight shard inside each node",
@@ -180,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--zero3",
         action="store_true",
         help="plain ZeRO-3 baseline: no quantization, no secondary shard "
-        "(overrides --weight-bits, --grad-bits, --grad-node-bits, --weight-delta-bits, "
-        "--no-hierarchical)",
+        "(overrides --weight-bits, --grad-bits, --grad-node-bits, --weight-local-bits, "
+        "--weight-delta-bits, --error-feedback, --no-hierarchical)",
     )
 
     g = p.add_argument_group("output and checkpoints")
@@ -223,6 +247,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.zero3:
         args.weight_bits, args.grad_bits, args.no_hierarchical = None, None, True
         args.grad_node_bits, args.weight_delta_bits = "same", None
+        args.weight_local_bits, args.error_feedback = "same", "none"
     if args.d_model % args.n_heads:
         raise UsageError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
     if not args.lr > 0 or not math.isfinite(args.lr):
@@ -255,6 +280,10 @@ def zeropp_config(args: argparse.Namespace):
         grad_block_size=args.grad_block_size,
         grad_node_bits=args.grad_node_bits,
         weight_delta_bits=args.weight_delta_bits,
+        weight_local_bits=args.weight_local_bits,
+        error_feedback=None if args.error_feedback == "none" else args.error_feedback,
+        error_feedback_decay=args.error_feedback_decay,
+        error_feedback_reset=args.error_feedback_reset,
         compute_dtype=args.compute_dtype,
         kernels=args.kernels,
     )

@@ -1,0 +1,188 @@
+"""Error-feedback residuals in the train state (`ZeroPPConfig.error_feedback`).
+
+An unchanged `train_step` takes `jax.grad` with respect to `state.params` only, so the only
+way out of the backward pass is a gradient. With error feedback on, `state.params` holds
+one more top-level entry, `state.params[KEY] = {"hop1": (...), "hop2": (...)}`, a tuple
+per hop with one float32 residual (or None) per parameter leaf. The island passes each
+residual to `weight_gather.gather_weight`, whose backward rule returns the *new* residual as
+that entry's gradient; `TrainState.apply_gradients` takes the entry out of the gradients
+and parameters, gives the optimizer the rest, and stores the new residuals (times the
+decay, zeroed every `error_feedback_reset` steps).
+
+Global shapes, every residual sharded `PartitionSpec(('node', 'local'))` (device `(n, l)`
+holds block `n * local_size + l`): hop 1, `(N * padded_rows, ...)` (each device's residual
+of its own full-size gradient contribution); hop 2, `(N * num_nodes * rows, ...)` with
+`rows = padded_rows / N` (each device's residual of its hop-1 partial sums).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from zeropp_jax import partition as part
+from zeropp_jax.config import ZeroPPConfig
+
+KEY = "zeropp_error_feedback"
+"""The entry of `state.params` (and so of the gradients) that carries the residuals."""
+
+SPEC = part.BATCH_SPEC
+"""Every residual is sharded over all devices in node-major order."""
+
+
+def hops(config: ZeroPPConfig, num_nodes: int, local_size: int) -> tuple[bool, bool]:
+    """Whether hop 1 and hop 2 keep residuals on this mesh.
+
+    Raises:
+      ValueError: when `config.error_feedback` is on but no hop of this mesh can carry it.
+    """
+    if config.error_feedback is None:
+        return False, False
+    hop1 = config.error_feedback == "all" and local_size > 1 and config.grad_bits is not None
+    hop2 = num_nodes > 1 and config.grad_hop2_bits is not None
+    if not (hop1 or hop2):
+        raise ValueError(
+            f"ZeroPPConfig.error_feedback={config.error_feedback!r} has no quantized gradient "
+            f"hop to act on with a mesh of {num_nodes} node(s) x {local_size} device(s) "
+            f"(grad_bits={config.grad_bits!r}, grad_node_bits={config.grad_node_bits!r}); "
+            "use error_feedback='all' on a single-node mesh, or error_feedback=None."
+        )
+    return hop1, hop2
+
+
+def shapes(
+    layout: part.LeafLayout, num_nodes: int, local_size: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Global shapes of a sharded leaf's hop-1 and hop-2 residuals."""
+    n = num_nodes * local_size
+    rows, rest = layout.padded_rows, tuple(layout.shape[1:])
+    return (n * rows, *rest), (num_nodes * rows, *rest)
+
+
+def zeros(
+    leaf_layouts: tuple[part.LeafLayout, ...], config: ZeroPPConfig, mesh: Mesh
+) -> dict[str, tuple[jax.Array | None, ...]] | None:
+    """Fresh (zero) residuals for `mesh`, or None without error feedback."""
+    nn, ll = mesh.shape["node"], mesh.shape["local"]
+    hop1, hop2 = hops(config, nn, ll)
+    if not (hop1 or hop2):
+        return None
+    sharding = NamedSharding(mesh, SPEC)
+
+    def make(on: bool, which: int) -> tuple[jax.Array | None, ...]:
+        out = []
+        for lo in leaf_layouts:
+            if not (on and lo.sharded):
+                out.append(None)
+                continue
+            shape = shapes(lo, nn, ll)[which]
+            out.append(jax.jit(lambda s=shape: jnp.zeros(s, jnp.float32), out_shardings=sharding)())
+        return tuple(out)
+
+    return {"hop1": make(hop1, 0), "hop2": make(hop2, 1)}
+
+
+def split(params: Any) -> tuple[Any, Any]:
+    """`(model_params, residuals)`: `params` without and with only its `KEY` entry (None
+    when there is none)."""
+    if isinstance(params, dict) and KEY in params:
+        rest = {k: v for k, v in params.items() if k != KEY}
+        return rest, params[KEY]
+    return params, None
+
+
+def join(model_params: Any, residuals: Any) -> Any:
+    """Inverse of `split`.
+
+    Raises:
+      ValueError: when residuals are given but the parameters are not a dict.
+    """
+    if residuals is None:
+        return model_params
+    if not isinstance(model_params, dict):
+        raise ValueError(
+            "ZeroPPConfig.error_feedback needs the parameters to be a dict (flax's "
+            f"variables['params']); got {type(model_params).__name__}."
+        )
+    if KEY in model_params:
+        raise ValueError(f"the parameters already hold an entry named {KEY!r}.")
+    return {**model_params, KEY: residuals}
+
+
+def advance(
+    new: dict[str, tuple[jax.Array | None, ...]], step: jax.Array, config: ZeroPPConfig
+) -> dict[str, tuple[jax.Array | None, ...]]:
+    """The residuals to keep after step `step` (0-based) from the backward pass's `new`
+    ones: times `config.error_feedback_decay`, and zero after every
+    `config.error_feedback_reset`-th step."""
+    decay = jnp.float32(config.error_feedback_decay)
+    reset = config.error_feedback_reset
+    keep = jnp.array(True) if not reset else (step + 1) % reset != 0
+
+    def one(r):
+        return None if r is None else jnp.where(keep, r * decay, jnp.zeros_like(r))
+
+    return {k: tuple(one(r) for r in v) for k, v in new.items()}
+
+
+def missing_mass(
+    residuals: dict[str, tuple[jax.Array | None, ...]],
+    leaf_layouts: tuple[part.LeafLayout, ...],
+    num_nodes: int,
+    local_size: int,
+) -> tuple[jax.Array | None, ...]:
+    """Per sharded leaf, what the reduced gradients still owe: the sum over devices of the
+    hop-1 residuals plus the hop-2 residuals put back at their rows, `(padded_rows, ...)`
+    in partition order. What `respread` distributes on another mesh."""
+    n = num_nodes * local_size
+    out: list[jax.Array | None] = []
+    for i, lo in enumerate(leaf_layouts):
+        r1, r2 = residuals["hop1"][i], residuals["hop2"][i]
+        if r1 is None and r2 is None:
+            out.append(None)
+            continue
+        rest = tuple(lo.shape[1:])
+        total = jnp.zeros((lo.padded_rows, *rest), jnp.float32)
+        if r1 is not None:
+            total = total + r1.reshape(n, lo.padded_rows, *rest).sum(0)
+        if r2 is not None:
+            rows = lo.padded_rows // n
+            per = r2.reshape(num_nodes, local_size, num_nodes * rows, *rest).sum(0)
+            total = total + per.reshape(lo.padded_rows, *rest)
+        out.append(total)
+    return tuple(out)
+
+
+def respread(
+    mass: tuple[jax.Array | None, ...],
+    leaf_layouts: tuple[part.LeafLayout, ...],
+    config: ZeroPPConfig,
+    mesh: Mesh,
+) -> dict[str, tuple[jax.Array | None, ...]] | None:
+    """Residuals for `mesh` that owe the same `mass` (rows resized to this mesh's padding):
+    split evenly over the devices of the first hop that keeps residuals here."""
+    fresh = zeros(leaf_layouts, config, mesh)
+    if fresh is None:
+        return None
+    nn, ll = mesh.shape["node"], mesh.shape["local"]
+    n = nn * ll
+    sharding = NamedSharding(mesh, SPEC)
+    hop1 = any(r is not None for r in fresh["hop1"])
+    out: dict[str, list[jax.Array | None]] = {k: list(v) for k, v in fresh.items()}
+    for i, (m, lo) in enumerate(zip(mass, leaf_layouts, strict=True)):
+        if m is None or not lo.sharded:
+            continue
+        rest = tuple(lo.shape[1:])
+        rows = min(m.shape[0], lo.padded_rows)
+        m = jnp.zeros((lo.padded_rows, *rest), jnp.float32).at[:rows].set(m[:rows])
+        if hop1:
+            r = jnp.broadcast_to(m / n, (n, *m.shape)).reshape(n * lo.padded_rows, *rest)
+            out["hop1"][i] = jax.device_put(r, sharding)
+        else:
+            per = m.reshape(ll, nn * (lo.padded_rows // n), *rest) / nn
+            r = jnp.broadcast_to(per, (nn, *per.shape)).reshape(-1, *rest)
+            out["hop2"][i] = jax.device_put(r, sharding)
+    return {k: tuple(v) for k, v in out.items()}

@@ -1,0 +1,255 @@
+"""The differentiable weight gather: the full weight for compute in the forward pass, the
+matching gradient reduction in the backward pass.
+
+`gather_weight` (qwZ / hpZ gathers, qgZ or ZeRO-3 reductions) and
+`gather_weight_from_reference` (the weight-delta gather of `zeropp_jax.delta`) run inside
+`jax.shard_map`; shapes are per device. Both take optional error-feedback residuals
+(`zeropp_jax.feedback`): their cotangents are the new residuals, which is how a residual
+leaves the backward pass of an unchanged `jax.grad`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from zeropp_jax import feedback as F
+from zeropp_jax.collectives import (
+    Format,
+    flat_all_gather,
+    flat_reduce_scatter,
+    gather_from_secondary,
+    requantize_secondary,
+    secondary_gather,
+    to_wire,
+    two_hop_reduce_scatter,
+)
+from zeropp_jax.quant import XLA_CODEC, Codec
+
+SECONDARY_NAME = "zeropp_secondary"
+"""`checkpoint_name` of the hpZ secondary shard (quantized values and scales, or raw bits)."""
+
+Residuals = tuple[jax.Array | None, jax.Array | None] | tuple[()]
+"""`()` (no error feedback) or `(hop1_residual, hop2_residual)`, see `zeropp_jax.feedback`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherSpec:
+    """Static description of one differentiable weight gather (hashable).
+
+    Attributes:
+      hierarchical: two-stage gather through the secondary shard (hpZ) if True, else one
+        flat gather over both axes in node-major order (ZeRO-3).
+      weight_bits: bits on the weight gather (qwZ) or None.
+      weight_block_size: values per block on the weight gather.
+      grad_bits: bits on the gradient reduction (qgZ) or None.
+      grad_block_size: values per block on the gradient reduction.
+      two_hop: reduce gradients in two hops (local, then node) if True, else with one flat
+        reduce-scatter over both axes in node-major order.
+      dtype: dtype of the gathered weight (the compute dtype).
+      codec: block quantization implementation.
+      weight_local_bits: format of the second gather stage (hpZ only); "same" gathers the
+        stage-1 secondary shard as it is, any other value re-quantizes it (see
+        `requantize_secondary`).
+      grad_node_bits: format of gradient hop 2 (two-hop only); "same" uses `grad_bits`.
+      grad_node_block_size: block size of gradient hop 2; None uses `grad_block_size`.
+    """
+
+    hierarchical: bool
+    weight_bits: Format | None
+    weight_block_size: int
+    grad_bits: Format | None
+    grad_block_size: int
+    two_hop: bool
+    dtype: jnp.dtype
+    codec: Codec = XLA_CODEC
+    weight_local_bits: Format | None | str = "same"
+    grad_node_bits: Format | None | str = "same"
+    grad_node_block_size: int | None = None
+
+
+def gather_weight(
+    x: jax.Array,
+    spec: GatherSpec,
+    key: jax.Array | None = None,
+    residuals: Residuals = (),
+) -> jax.Array:
+    """Gathers a weight shard for compute; its gradient leaves through the matching
+    reduction (qgZ when `spec.grad_bits` is set).
+
+    With hpZ, stage 1 (the secondary shard, in wire form) is computed here and named
+    `SECONDARY_NAME`, so a remat policy can save it; stage 2 runs inside a custom VJP.
+
+    Under `jax.checkpoint` the backward pass re-gathers the weight. The custom VJP is
+    declared with `optimize_remat=True`: the forward pass runs its primal function and the
+    recompute runs its `fwd` rule, which emit the gather in two equivalent forms (see
+    `_all_gather`); identical instructions would be merged by XLA's CSE once the remat
+    barriers are expanded (XLA's CPU pipeline), keeping every full weight alive from the
+    forward to the backward pass. The wire bytes and the values are the same.
+
+    Args:
+      x: per-device float32 master shard `(rows, ...)` in partition layout.
+      spec: what to send.
+      key: a PRNG key for stochastic rounding of the gradient reduction, the same on every
+        device (see `collectives.hop_keys`); None rounds to nearest. Not differentiated.
+      residuals: `()`, or `(hop1_residual, hop2_residual)` for error feedback on the
+        two-hop reduction (see `zeropp_jax.feedback`; None for a hop without). The forward
+        pass ignores them; their cotangents are the new residuals.
+
+    Returns:
+      `(N * rows, ...)` in `spec.dtype`. The cotangent of `x` is the float32 sum over all
+      devices of their gradients for this device's piece.
+    """
+    wire: tuple[jax.Array, ...] = ()
+    if spec.hierarchical:
+        xc = lax.stop_gradient(x).astype(spec.dtype)
+        wire = secondary_gather(
+            xc, bits=spec.weight_bits, block_size=spec.weight_block_size, codec=spec.codec
+        )
+        wire = requantize_secondary(
+            wire,
+            x.shape,
+            spec.dtype,
+            bits=spec.weight_bits,
+            local_bits=spec.weight_local_bits,
+            block_size=spec.weight_block_size,
+            codec=spec.codec,
+        )
+        wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
+    return _gather_full(x, wire, key, residuals, spec)
+
+
+def gather_weight_from_reference(
+    x: jax.Array,
+    reference: jax.Array,
+    spec: GatherSpec,
+    key: jax.Array | None = None,
+    residuals: Residuals = (),
+) -> jax.Array:
+    """`gather_weight` for the weight-delta gather (`zeropp_jax.delta`): the secondary
+    shard is the kept `reference`, so only the intra-node stage 2 runs here.
+
+    Stage 2 sends the reference in `spec.weight_local_bits` ("same": `spec.weight_bits`,
+    re-quantized from the reference; None: its raw 16-bit values). The cotangent of `x` is
+    the gradient reduction of `gather_weight`; `reference` is not differentiated.
+
+    Args:
+      x: per-device float32 master shard `(rows, ...)` (differentiated through).
+      reference: per-device reference `(num_nodes * rows, ...)` in `spec.dtype`.
+      spec: what to send (`spec.hierarchical` must be True).
+      key, residuals: as for `gather_weight`.
+
+    Returns:
+      `(N * rows, ...)` in `spec.dtype`.
+    """
+    if not spec.hierarchical:
+        raise ValueError("gather_weight_from_reference needs GatherSpec.hierarchical=True.")
+    stage2 = _local_bits(spec)
+    ref = lax.stop_gradient(reference).astype(spec.dtype)
+    wire = requantize_secondary(
+        (to_wire(ref),),
+        x.shape,
+        spec.dtype,
+        bits=None,
+        local_bits=stage2,
+        block_size=spec.weight_block_size,
+        codec=spec.codec,
+    )
+    wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
+    spec = dataclasses.replace(spec, weight_local_bits=stage2)
+    return _gather_full(x, wire, key, residuals, spec)
+
+
+def _local_bits(spec: GatherSpec) -> Format | None:
+    return spec.weight_bits if spec.weight_local_bits == "same" else spec.weight_local_bits
+
+
+def _gather_from(
+    x: jax.Array, wire: tuple[jax.Array, ...], spec: GatherSpec, alternate_form: bool
+) -> jax.Array:
+    if spec.hierarchical:
+        return gather_from_secondary(
+            wire,
+            x.shape,
+            spec.dtype,
+            bits=_local_bits(spec),
+            codec=spec.codec,
+            alternate_form=alternate_form,
+        )
+    return flat_all_gather(
+        x.astype(spec.dtype),
+        bits=spec.weight_bits,
+        block_size=spec.weight_block_size,
+        codec=spec.codec,
+        alternate_form=alternate_form,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gather_full(
+    x: jax.Array,
+    wire: tuple[jax.Array, ...],
+    key: jax.Array | None,
+    residuals: Residuals,
+    spec: GatherSpec,
+) -> jax.Array:
+    """The full weight from the shard `x` (flat) or from the secondary `wire` (hpZ); `key`
+    and `residuals` only feed the backward rule (stochastic rounding, error feedback)."""
+    return _gather_from(x, wire, spec, alternate_form=False)
+
+
+def _gather_full_fwd(
+    x: jax.Array,
+    wire: tuple[jax.Array, ...],
+    key: jax.Array | None,
+    residuals: Residuals,
+    spec: GatherSpec,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None, Residuals]]:
+    # The residual `-0.0` (x + -0.0 == x for every float x, signed zeros and NaN included)
+    # is what makes `optimize_remat` pick this rule for the recompute: JAX replaces a
+    # `fwd` whose residuals are unused by the primal function, which is what happens in
+    # the forward pass, where the policy saves no residual of this call.
+    full = _gather_from(x, wire, spec, alternate_form=True)
+    return full, (jnp.array(-0.0, jnp.float32), key, residuals)
+
+
+def _gather_full_bwd(
+    spec: GatherSpec, res: tuple[jax.Array, jax.Array | None, Residuals], g: jax.Array
+) -> tuple[jax.Array, None, None, Residuals]:
+    negative_zero, key, residuals = res
+    kw = dict(bits=spec.grad_bits, block_size=spec.grad_block_size, codec=spec.codec)
+    new_residuals: Residuals = ()
+    if not spec.two_hop:
+        if key is not None or spec.grad_node_bits != "same" or residuals:
+            raise ValueError(
+                "stochastic rounding, grad_node_bits and error feedback need the two-hop "
+                "gradient reduction (GatherSpec.two_hop=True)."
+            )
+        dx = flat_reduce_scatter(g, **kw)
+    elif residuals:
+        dx, r1, r2 = F.two_hop_reduce_scatter_feedback(
+            g,
+            *residuals,
+            node_bits=spec.grad_node_bits,
+            node_block_size=spec.grad_node_block_size,
+            key=key,
+            **kw,
+        )
+        new_residuals = (r1, r2)
+    else:
+        dx = two_hop_reduce_scatter(
+            g,
+            node_bits=spec.grad_node_bits,
+            node_block_size=spec.grad_node_block_size,
+            key=key,
+            **kw,
+        )
+    return dx + negative_zero, None, None, new_residuals
+
+
+_gather_full.defvjp(_gather_full_fwd, _gather_full_bwd, optimize_remat=True)
