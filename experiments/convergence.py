@@ -82,6 +82,18 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
         "ZeRO++ with int2 grads, error feedback on the node hop",
         ("--grad-bits", "2", "--error-feedback", "node"),
     ),
+    "zeropp_g2_b64": (
+        "ZeRO++ with int2 grads, blocks of 64",
+        ("--grad-bits", "2", "--grad-block-size", "64"),
+    ),
+    "zeropp_g2_b64_ef": (
+        "ZeRO++ with int2 grads, blocks of 64, error feedback",
+        ("--grad-bits", "2", "--grad-block-size", "64", "--error-feedback", "all"),
+    ),
+    "zeropp_g2_ef_lr2": (
+        "ZeRO++ with int2 grads and error feedback, peak lr x2 (diagnostic)",
+        ("--grad-bits", "2", "--error-feedback", "all", "--lr", "0.006"),
+    ),
     "zeropp_delta4_n2_ef": (
         "ZeRO++, int4 weight deltas, int8/int2 grad hops, error feedback on the node hop",
         (
