@@ -10,6 +10,7 @@ import pytest
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
+import _convergence_report  # noqa: E402
 import convergence  # noqa: E402
 
 
@@ -61,5 +62,5 @@ def test_events_runs_go_through_the_worker_with_their_injection():
 
 def test_first_break_is_the_smallest_k_over_the_threshold():
     rows = [dict(k=k, gap_pct=g) for k, g in ((0, 0.0), (8, 1.5), (2, 0.3), (4, 1.2))]
-    assert convergence.first_break(rows) == 4
-    assert convergence.first_break(rows, threshold=2.0) is None
+    assert _convergence_report.first_break(rows) == 4
+    assert _convergence_report.first_break(rows, threshold=2.0) is None

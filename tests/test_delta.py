@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from zeropp_jax import collectives as C
 from zeropp_jax import delta as D
-from zeropp_jax import engine, make_mesh
+from zeropp_jax import island, make_mesh
 from zeropp_jax import quant as Q
 
 F32_SLACK = 2.0**-22  # one float32 rounding of the reference update, relative to |x|
@@ -209,7 +209,7 @@ def test_restore_rebuilds_the_reference_with_a_full_gather(tmp_path, mesh_shape)
     zpp.save_checkpoint(tmp_path / "ckpt", state)
     target, step2 = make_state(DELTA, mesh_shape)
     restored = zpp.restore_checkpoint(tmp_path / "ckpt", target)
-    fresh = engine.full_weight_references(
+    fresh = island.full_weight_references(
         restored.params, DELTA, restored.mesh, restored.layouts[1]
     )
     moved = False

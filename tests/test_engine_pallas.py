@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 import zeropp_jax as zpp
 from zeropp_jax import collectives as C
-from zeropp_jax import engine
+from zeropp_jax import island
 from zeropp_jax.quant import XLA_CODEC
 
 PALLAS = pallas_kernels.codec(interpret=True)
@@ -91,7 +91,7 @@ def test_compiled_pallas_kernels_need_a_gpu():
     config = zpp.ZeroPPConfig(kernels="pallas")
     message = "kernels='pallas' needs a GPU, but the backend is 'cpu'"
     with pytest.raises(ValueError, match=message):
-        engine.resolve_codec(config)
+        island.resolve_codec(config)
     with pytest.raises(ValueError, match=message):
         zpp.TrainState.create(
             apply_fn=Tiny().apply,
@@ -100,11 +100,11 @@ def test_compiled_pallas_kernels_need_a_gpu():
             mesh=zpp.make_mesh(2, 4),
             config=config,
         )
-    assert engine.resolve_codec(config.replace(kernels="pallas_interpret")) is PALLAS
-    assert engine.resolve_codec(config.replace(kernels="pallas"), platform="gpu") is (
+    assert island.resolve_codec(config.replace(kernels="pallas_interpret")) is PALLAS
+    assert island.resolve_codec(config.replace(kernels="pallas"), platform="gpu") is (
         pallas_kernels.codec(interpret=False)
     )
-    assert engine.resolve_codec(config.replace(kernels="auto")) is XLA_CODEC
+    assert island.resolve_codec(config.replace(kernels="auto")) is XLA_CODEC
 
 
 def _collectives(codec):

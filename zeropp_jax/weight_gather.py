@@ -231,24 +231,13 @@ def _gather_full_bwd(
                 "gradient reduction (GatherSpec.two_hop=True)."
             )
         dx = flat_reduce_scatter(g, **kw)
-    elif residuals:
-        dx, r1, r2 = F.two_hop_reduce_scatter_feedback(
-            g,
-            *residuals,
-            node_bits=spec.grad_node_bits,
-            node_block_size=spec.grad_node_block_size,
-            key=key,
-            **kw,
-        )
-        new_residuals = (r1, r2)
     else:
-        dx = two_hop_reduce_scatter(
-            g,
-            node_bits=spec.grad_node_bits,
-            node_block_size=spec.grad_node_block_size,
-            key=key,
-            **kw,
-        )
+        kw.update(node_bits=spec.grad_node_bits, node_block_size=spec.grad_node_block_size, key=key)
+        if residuals:
+            dx, r1, r2 = F.two_hop_reduce_scatter_feedback(g, *residuals, **kw)
+            new_residuals = (r1, r2)
+        else:
+            dx = two_hop_reduce_scatter(g, **kw)
     return dx + negative_zero, None, None, new_residuals
 
 
