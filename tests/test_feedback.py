@@ -291,3 +291,14 @@ def test_restore_without_feedback_drops_residuals_with_a_warning(tmp_path):
     assert R.KEY not in restored.params
     for a, b in zip(leaves(R.split(state.params)[0]), leaves(restored.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_pallas_interpret_equals_xla_with_feedback():
+    results = []
+    for kernels in ("xla", "pallas_interpret"):
+        state, step = make_state(EF.replace(kernels=kernels))
+        for t in range(2):
+            state, _ = step(state, batch(t))
+        results.append(leaves(state.params))
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -138,12 +138,8 @@ def missing_mass(
     hop-1 residuals plus the hop-2 residuals put back at their rows, `(padded_rows, ...)`
     in partition order. What `respread` distributes on another mesh."""
     n = num_nodes * local_size
-    out: list[jax.Array | None] = []
-    for i, lo in enumerate(leaf_layouts):
-        r1, r2 = residuals["hop1"][i], residuals["hop2"][i]
-        if r1 is None and r2 is None:
-            out.append(None)
-            continue
+
+    def owed(lo: part.LeafLayout, r1: jax.Array | None, r2: jax.Array | None) -> jax.Array:
         rest = tuple(lo.shape[1:])
         total = jnp.zeros((lo.padded_rows, *rest), jnp.float32)
         if r1 is not None:
@@ -152,7 +148,16 @@ def missing_mass(
             rows = lo.padded_rows // n
             per = r2.reshape(num_nodes, local_size, num_nodes * rows, *rest).sum(0)
             total = total + per.reshape(lo.padded_rows, *rest)
-        out.append(total)
+        return total
+
+    out: list[jax.Array | None] = []
+    for i, lo in enumerate(leaf_layouts):
+        r1, r2 = residuals["hop1"][i], residuals["hop2"][i]
+        if r1 is None and r2 is None:
+            out.append(None)
+            continue
+        # Under jit, so it also runs on arrays that span processes.
+        out.append(jax.jit(owed, static_argnums=0)(lo, r1, r2))
     return tuple(out)
 
 
@@ -172,17 +177,19 @@ def respread(
     sharding = NamedSharding(mesh, SPEC)
     hop1 = any(r is not None for r in fresh["hop1"])
     out: dict[str, list[jax.Array | None]] = {k: list(v) for k, v in fresh.items()}
-    for i, (m, lo) in enumerate(zip(mass, leaf_layouts, strict=True)):
-        if m is None or not lo.sharded:
-            continue
+
+    def spread(lo: part.LeafLayout, m: jax.Array) -> jax.Array:
         rest = tuple(lo.shape[1:])
         rows = min(m.shape[0], lo.padded_rows)
         m = jnp.zeros((lo.padded_rows, *rest), jnp.float32).at[:rows].set(m[:rows])
         if hop1:
-            r = jnp.broadcast_to(m / n, (n, *m.shape)).reshape(n * lo.padded_rows, *rest)
-            out["hop1"][i] = jax.device_put(r, sharding)
-        else:
-            per = m.reshape(ll, nn * (lo.padded_rows // n), *rest) / nn
-            r = jnp.broadcast_to(per, (nn, *per.shape)).reshape(-1, *rest)
-            out["hop2"][i] = jax.device_put(r, sharding)
+            return jnp.broadcast_to(m / n, (n, *m.shape)).reshape(n * lo.padded_rows, *rest)
+        per = m.reshape(ll, nn * (lo.padded_rows // n), *rest) / nn
+        return jnp.broadcast_to(per, (nn, *per.shape)).reshape(-1, *rest)
+
+    for i, (m, lo) in enumerate(zip(mass, leaf_layouts, strict=True)):
+        if m is None or not lo.sharded:
+            continue
+        r = jax.jit(spread, static_argnums=0, out_shardings=sharding)(lo, m)
+        out["hop1" if hop1 else "hop2"][i] = r
     return {k: tuple(v) for k, v in out.items()}
