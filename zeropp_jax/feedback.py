@@ -66,8 +66,15 @@ def two_hop_reduce_scatter_feedback(
       x: per-device gradient `(N * rows, ...)` in partition order.
       hop1_residual: float32 `(N * rows, ...)` or None (no feedback on hop 1).
       hop2_residual: float32 `(num_nodes * rows, ...)` or None (no feedback on hop 2).
-      bits, block_size, node_bits, node_block_size, node_axis, local_axis, codec, key: as
-        for `collectives.two_hop_reduce_scatter`.
+      bits: format on hop 1 (8, 4, 2, "e4m3") or None for an unquantized hop.
+      block_size: values per quantization block on hop 1.
+      node_bits: format on hop 2; "same" uses `bits`.
+      node_block_size: values per quantization block on hop 2; None uses `block_size`.
+      node_axis: name of the inter-node mesh axis.
+      local_axis: name of the intra-node mesh axis.
+      codec: block quantization implementation.
+      key: a PRNG key, the same on every device, for stochastic rounding on both hops
+        (see `collectives.hop_keys`); None rounds to nearest.
 
     Returns:
       `(sum, new_hop1_residual, new_hop2_residual)`: float32 `(rows, ...)`, the sum over all

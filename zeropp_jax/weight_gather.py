@@ -142,7 +142,8 @@ def gather_weight_from_reference(
       x: per-device float32 master shard `(rows, ...)` (differentiated through).
       reference: per-device reference `(num_nodes * rows, ...)` in `spec.dtype`.
       spec: what to send (`spec.hierarchical` must be True).
-      key, residuals: as for `gather_weight`.
+      key: as for `gather_weight`.
+      residuals: as for `gather_weight`.
 
     Returns:
       `(N * rows, ...)` in `spec.dtype`.
