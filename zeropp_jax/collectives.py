@@ -25,108 +25,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeropp_jax.quant import XLA_CODEC, Codec, check_bits, num_blocks
-
-AxisName = str | tuple[str, ...]
-Format = int | str
-"""A quantization format: 8, 4 or 2 bits, or "e4m3" (see `zeropp_jax.quant`)."""
-
-
-# --------------------------------------------------------------------------- wire helpers
-
-
-def to_wire(x: jax.Array) -> jax.Array:
-    """16-bit floats travel as their uint16 bits (XLA's CPU backend widens bf16 collectives
-    to float32); other dtypes travel as they are."""
-    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
-        return lax.bitcast_convert_type(x, jnp.uint16)
-    return x
-
-
-def from_wire(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Inverse of `to_wire`."""
-    if w.dtype == jnp.uint16 and jnp.dtype(dtype) != jnp.uint16:
-        return lax.bitcast_convert_type(w, dtype)
-    return w
-
-
-def _group_size(axis_name: AxisName) -> int:
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    return math.prod(lax.axis_size(a) for a in names)
-
-
-def effective_block_size(piece_size: int, block_size: int) -> int:
-    """The block size used for pieces of `piece_size` values: `block_size`, or less for a
-    small piece (rounded up to a multiple of 8 so every bit width packs into whole bytes),
-    so that a piece of a few values is not padded to a whole large block on the wire."""
-    return min(block_size, max(8, -(-piece_size // 8) * 8))
-
-
-def shard_blocks(x: jax.Array, pieces: int, block_size: int) -> jax.Array:
-    """Splits `x` into `pieces` equal contiguous pieces, each zero-padded to whole blocks.
-
-    Args:
-      x: array whose size is divisible by `pieces`.
-      pieces: number of pieces.
-      block_size: values per block; pieces smaller than a block use a smaller block (see
-        `effective_block_size`).
-
-    Returns:
-      `(pieces, blocks_per_piece, block)`, so no block straddles two pieces.
-    """
-    flat = x.reshape(pieces, -1)
-    n = flat.shape[1]
-    block_size = effective_block_size(n, block_size)
-    pad = num_blocks(n, block_size) * block_size - n
-    if pad:
-        flat = jnp.pad(flat, ((0, 0), (0, pad)))
-    return flat.reshape(pieces, -1, block_size)
-
-
-def unblock(blocks: jax.Array, piece_shape: Sequence[int]) -> jax.Array:
-    """Inverse of `shard_blocks`: `(pieces, nb, block_size)` -> `(pieces * rows, ...)`."""
-    pieces = blocks.shape[0]
-    n = math.prod(piece_shape)
-    flat = blocks.reshape(pieces, -1)[:, :n]
-    return flat.reshape(pieces * piece_shape[0], *piece_shape[1:])
-
-
-def _quantize(
-    blocks: jax.Array, bits: Format, codec: Codec, key: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """Quantizes `(..., nb, block_size)` blocks; values `(..., nb, bytes)`, scales `(..., nb)`.
-    With `key`, rounds stochastically."""
-    lead = blocks.shape[:-1]
-    flat = blocks.reshape(-1, blocks.shape[-1])
-    if key is None:
-        values, scales = codec.quantize_blocks(flat, bits=bits)
-    else:
-        values, scales = codec.quantize_blocks(flat, bits=bits, key=key)
-    return values.reshape(*lead, -1), scales.reshape(lead)
-
-
-def _dequantize(
-    values: jax.Array, scales: jax.Array, bits: Format, dtype: jnp.dtype, codec: Codec
-) -> jax.Array:
-    """Dequantizes `(..., nb, bytes)` values into `(..., nb, block_size)` of `dtype`."""
-    flat = codec.dequantize_blocks(
-        values.reshape(-1, values.shape[-1]), scales.reshape(-1), bits=bits, dtype=dtype
-    )
-    return flat.reshape(*scales.shape, -1)
-
-
-def _piece_order(stacked: jax.Array, num_nodes: int, local_size: int) -> jax.Array:
-    """Reorders a node-major stack `(num_nodes * local_size, ...)` (index `n * L + l`) into
-    partition order (index `l * num_nodes + n`)."""
-    s = stacked.reshape(num_nodes, local_size, *stacked.shape[1:])
-    return jnp.swapaxes(s, 0, 1).reshape(stacked.shape)
-
-
-def _node_major(stacked: jax.Array, num_nodes: int, local_size: int) -> jax.Array:
-    """Inverse of `_piece_order`."""
-    s = stacked.reshape(local_size, num_nodes, *stacked.shape[1:])
-    return jnp.swapaxes(s, 0, 1).reshape(stacked.shape)
-
+from zeropp_jax.quant import XLA_CODEC, Codec, check_bits
+from zeropp_jax.wire import (
+    AxisName,
+    Format,
+    _dequantize,
+    _group_size,
+    _node_major,
+    _piece_order,
+    _quantize,
+    effective_block_size,
+    from_wire,
+    shard_blocks,
+    to_wire,
+    unblock,
+)
 
 # --------------------------------------------------------------------------- gathers
 
@@ -501,39 +414,6 @@ def hop_keys(
     return jax.random.fold_in(dev, 1), jax.random.fold_in(dev, 2)
 
 
-def local_hop_per_piece(
-    x: jax.Array,
-    *,
-    bits: Format,
-    block_size: int,
-    node_axis: str = "node",
-    local_axis: str = "local",
-    codec: Codec = XLA_CODEC,
-    key: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Hop 1 of the two-hop reduction: every one of the `N` pieces of `x` quantized in its
-    own blocks, all-to-all over `local_axis`, dequantized and summed in float32.
-
-    Returns:
-      `(partial, values, scales)`: the float32 partial sums `(num_nodes * rows, ...)` of
-      this device's secondary pieces, and what this device sent, `(local_size, nb, bytes)`
-      and `(local_size, nb)` (for error feedback).
-    """
-    nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
-    n = nn * ll
-    rows_shape = (x.shape[0] // n, *x.shape[1:])
-    piece = math.prod(rows_shape)
-    check_bits(bits, block_size)
-    blocks = shard_blocks(x, n, block_size)  # (N, nbp, bs), partition order
-    nbp, bs = blocks.shape[1:]
-    values, scales = _quantize(blocks.reshape(ll, nn * nbp, bs), bits, codec, key)
-    rv = lax.all_to_all(values, local_axis, 0, 0)
-    rs = lax.all_to_all(scales, local_axis, 0, 0)
-    summed = codec.dequantize_sum_blocks(rv, rs, bits=bits)
-    partial = summed.reshape(nn, -1)[:, :piece].reshape(nn * rows_shape[0], *rows_shape[1:])
-    return partial, values, scales
-
-
 def two_hop_reduce_scatter(
     x: jax.Array,
     *,
@@ -570,6 +450,30 @@ def two_hop_reduce_scatter(
     Returns:
       float32 `(rows, ...)`: the sum over all devices of this device's piece.
     """
+    kw = dict(node_bits=node_bits, node_block_size=node_block_size, codec=codec, key=key)
+    axes = dict(node_axis=node_axis, local_axis=local_axis)
+    return _two_hop(x, None, None, bits=bits, block_size=block_size, **axes, **kw)[0]
+
+
+def _two_hop(
+    x: jax.Array,
+    hop1_residual: jax.Array | None,
+    hop2_residual: jax.Array | None,
+    *,
+    bits: Format | None,
+    block_size: int,
+    node_bits: Format | None | str = "same",
+    node_block_size: int | None = None,
+    node_axis: str = "node",
+    local_axis: str = "local",
+    codec: Codec = XLA_CODEC,
+    key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """`two_hop_reduce_scatter` that adds `hop1_residual` to what hop 1 quantizes and
+    `hop2_residual` to what hop 2 quantizes, and returns `(sum, new_hop1_residual,
+    new_hop2_residual)`: what each quantization lost, None for a hop given None. With two
+    Nones it is the plain reduction; `feedback.two_hop_reduce_scatter_feedback` checks the
+    residuals before calling it."""
     nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
     hop2_bits = bits if node_bits == "same" else node_bits
     hop2_block = block_size if node_block_size is None else node_block_size
@@ -581,58 +485,67 @@ def two_hop_reduce_scatter(
         )
     k1, k2 = hop_keys(key, node_axis=node_axis, local_axis=local_axis)
     rows_shape = (x.shape[0] // n, *x.shape[1:])
-    if bits is None or hop2_bits is None:
-        partial = x
-        if ll > 1 and bits is None:
-            partial = reduce_scatter_quantized(
-                x, axis_name=local_axis, bits=None, block_size=block_size, codec=codec
-            )
-        elif ll > 1:
-            partial = local_hop_per_piece(
-                x,
-                bits=bits,
-                block_size=block_size,
-                node_axis=node_axis,
-                local_axis=local_axis,
-                codec=codec,
-                key=k1,
-            )[0]
-        if ll > 1:
-            if nn > 1 and hop2_bits is None:
-                partial = partial.astype(x.dtype)
-        if nn == 1:
-            return partial.astype(jnp.float32).reshape(rows_shape)
-        return reduce_scatter_quantized(
-            partial.reshape(nn * rows_shape[0], *rows_shape[1:]),
-            axis_name=node_axis,
-            bits=hop2_bits,
-            block_size=hop2_block,
-            codec=codec,
-            key=k2,
-        ).reshape(rows_shape)
-    check_bits(bits, block_size)
-    check_bits(hop2_bits, hop2_block)
+    rows2_shape = (nn * rows_shape[0], *rows_shape[1:])  # this device's secondary pieces
     piece = math.prod(rows_shape)
-    if ll > 1:
-        blocks = shard_blocks(x, n, block_size)  # (L * Nn, nbp, bs), partition order
+    new1 = new2 = None
+    received = None  # hop 1's quantized partial sums, as they arrive
+    partial = x
+    if ll > 1 and bits is None:
+        partial = reduce_scatter_quantized(
+            x, axis_name=local_axis, bits=None, block_size=block_size, codec=codec
+        )
+    elif ll > 1:
+        check_bits(bits, block_size)
+        c1 = x if hop1_residual is None else x.astype(jnp.float32) + hop1_residual
+        blocks = shard_blocks(c1, n, block_size)  # (N, nbp, bs): every piece in its own blocks
         nbp, bs = blocks.shape[1:]
         values, scales = _quantize(blocks.reshape(ll, nn * nbp, bs), bits, codec, k1)
-        rv = lax.all_to_all(values, local_axis, 0, 0)
-        rs = lax.all_to_all(scales, local_axis, 0, 0)
-        if nn == 1:
-            return unblock(codec.dequantize_sum_blocks(rv, rs, bits=bits)[None], rows_shape)
-        if effective_block_size(piece, hop2_block) == bs:
-            kw = {} if k2 is None else {"key": k2}
-            v2, s2 = codec.dequantize_sum_quantize_blocks(
-                rv, rs, bits=bits, out_bits=hop2_bits, **kw
-            )
-            v2, s2 = v2.reshape(nn, nbp, -1), s2.reshape(nn, nbp)
-        else:
-            # Re-block the partial sums for hop 2, piece by piece.
-            summed = codec.dequantize_sum_blocks(rv, rs, bits=bits).reshape(nn, -1)[:, :piece]
-            v2, s2 = _quantize(shard_blocks(summed, nn, hop2_block), hop2_bits, codec, k2)
-    else:
-        v2, s2 = _quantize(shard_blocks(x, nn, hop2_block), hop2_bits, codec, k2)
+        if hop1_residual is not None:
+            sent = _dequantize(values, scales, bits, jnp.float32, codec)
+            new1 = c1 - unblock(sent.reshape(n, nbp, bs), rows_shape)
+        received = (
+            lax.all_to_all(values, local_axis, 0, 0),
+            lax.all_to_all(scales, local_axis, 0, 0),
+        )
+
+    def summed() -> jax.Array:  # hop 1's float32 partial sums, (num_nodes * rows, ...)
+        total = codec.dequantize_sum_blocks(*received, bits=bits)
+        return total.reshape(nn, -1)[:, :piece].reshape(rows2_shape)
+
+    fuse = (
+        received is not None
+        and nn > 1
+        and hop2_bits is not None
+        and hop2_residual is None
+        and effective_block_size(piece, hop2_block) == bs
+    )
+    if received is not None and not fuse:
+        partial = summed()
+    if nn == 1:
+        return partial.astype(jnp.float32).reshape(rows_shape), new1, None
+    if hop2_bits is None:  # 16-bit values on the wire, summed in float32
+        out = reduce_scatter_quantized(
+            partial.astype(x.dtype).reshape(rows2_shape),
+            axis_name=node_axis,
+            bits=None,
+            block_size=hop2_block,
+            codec=codec,
+        )
+        return out.reshape(rows_shape), new1, None
+    check_bits(hop2_bits, hop2_block)
+    if fuse:  # dequantize, sum and re-quantize in one pass, hop 1's blocks kept
+        kw = {} if k2 is None else {"key": k2}
+        v2, s2 = codec.dequantize_sum_quantize_blocks(
+            *received, bits=bits, out_bits=hop2_bits, **kw
+        )
+        v2, s2 = v2.reshape(nn, nbp, -1), s2.reshape(nn, nbp)
+    else:  # re-block the partial sums for hop 2, piece by piece
+        c2 = partial if hop2_residual is None else partial.astype(jnp.float32) + hop2_residual
+        v2, s2 = _quantize(shard_blocks(c2, nn, hop2_block), hop2_bits, codec, k2)
+        if hop2_residual is not None:
+            sent = _dequantize(v2, s2, hop2_bits, jnp.float32, codec)
+            new2 = c2 - unblock(sent, rows_shape)
     rv2 = lax.all_to_all(v2, node_axis, 0, 0)
     rs2 = lax.all_to_all(s2, node_axis, 0, 0)
-    return unblock(codec.dequantize_sum_blocks(rv2, rs2, bits=hop2_bits)[None], rows_shape)
+    out = unblock(codec.dequantize_sum_blocks(rv2, rs2, bits=hop2_bits)[None], rows_shape)
+    return out, new1, new2

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from zeropp_jax import collectives as C
-from zeropp_jax.collectives import Format
 from zeropp_jax.quant import XLA_CODEC, Codec, check_bits
+from zeropp_jax.wire import Format, _dequantize, _quantize, from_wire, shard_blocks, unblock
 
 
 def full_reference(
@@ -56,8 +56,8 @@ def full_reference(
         xc, bits=bits, block_size=block_size, node_axis=node_axis, codec=codec
     )
     if bits is None:
-        return C.from_wire(wire[0], dtype)
-    return C.unblock(C._dequantize(*wire, bits, dtype, codec), x.shape)
+        return from_wire(wire[0], dtype)
+    return unblock(_dequantize(*wire, bits, dtype, codec), x.shape)
 
 
 def own_piece(reference: jax.Array, rows: int, *, node_axis: str = "node") -> jax.Array:
@@ -109,8 +109,8 @@ def delta_all_gather(
     delta = x.astype(jnp.float32) - own_piece(reference, rows, node_axis=node_axis).astype(
         jnp.float32
     )
-    values, scales = C._quantize(C.shard_blocks(delta, 1, block_size)[0], bits, codec)
+    values, scales = _quantize(shard_blocks(delta, 1, block_size)[0], bits, codec)
     gv = lax.all_gather(values, node_axis)
     gs = lax.all_gather(scales, node_axis)
-    received = C.unblock(C._dequantize(gv, gs, bits, jnp.float32, codec), x.shape)
+    received = unblock(_dequantize(gv, gs, bits, jnp.float32, codec), x.shape)
     return (reference.astype(jnp.float32) + received).astype(reference.dtype)

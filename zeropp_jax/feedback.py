@@ -15,15 +15,13 @@ Either may be None: that hop then runs without feedback.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from zeropp_jax import collectives as C
-from zeropp_jax.collectives import Format
-from zeropp_jax.quant import XLA_CODEC, Codec, check_bits
+from zeropp_jax.quant import XLA_CODEC, Codec
+from zeropp_jax.wire import Format
 
 
 def _check_residual(name: str, r: jax.Array | None, shape: tuple[int, ...], fmt) -> None:
@@ -84,64 +82,24 @@ def two_hop_reduce_scatter_feedback(
       ValueError: for a residual on an unquantized or absent hop, or of the wrong shape.
     """
     nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
-    n = nn * ll
     hop2_bits = bits if node_bits == "same" else node_bits
-    hop2_block = block_size if node_block_size is None else node_block_size
-    if x.shape[0] % n:
-        raise ValueError(
-            f"two_hop_reduce_scatter_feedback: leading dimension {x.shape[0]} is not divisible "
-            f"by the {n} devices of the mesh; pad it to a multiple of {n}."
-        )
-    rows_shape = (x.shape[0] // n, *x.shape[1:])
-    piece = math.prod(rows_shape)
+    rows = x.shape[0] // (nn * ll)
     if ll == 1 and hop1_residual is not None:
         raise ValueError("two_hop_reduce_scatter_feedback: no hop 1 on a 1-device node.")
     if nn == 1 and hop2_residual is not None:
         raise ValueError("two_hop_reduce_scatter_feedback: no hop 2 on a 1-node mesh.")
     _check_residual("hop-1", hop1_residual, tuple(x.shape), bits)
-    _check_residual("hop-2", hop2_residual, (nn * rows_shape[0], *rows_shape[1:]), hop2_bits)
-    k1, k2 = C.hop_keys(key, node_axis=node_axis, local_axis=local_axis)
-
-    new1 = None
-    partial = x
-    if ll > 1:
-        if bits is None:
-            partial = C.reduce_scatter_quantized(
-                x, axis_name=local_axis, bits=None, block_size=block_size, codec=codec
-            )
-        else:
-            c1 = x.astype(jnp.float32)
-            if hop1_residual is not None:
-                c1 = c1 + hop1_residual
-            partial, values, scales = C.local_hop_per_piece(
-                c1,
-                bits=bits,
-                block_size=block_size,
-                node_axis=node_axis,
-                local_axis=local_axis,
-                codec=codec,
-                key=k1,
-            )
-            if hop1_residual is not None:
-                bs = C.effective_block_size(piece, block_size)
-                sent = C._dequantize(values, scales, bits, jnp.float32, codec)
-                new1 = c1 - C.unblock(sent.reshape(n, -1, bs), rows_shape)
-    if nn == 1:
-        return partial.astype(jnp.float32).reshape(rows_shape), new1, None
-    if hop2_bits is None:
-        out = C.reduce_scatter_quantized(
-            partial.astype(x.dtype), axis_name=node_axis, bits=None, block_size=hop2_block
-        )
-        return out.reshape(rows_shape), new1, None
-    check_bits(hop2_bits, hop2_block)
-    c2 = partial.astype(jnp.float32)
-    if hop2_residual is not None:
-        c2 = c2 + hop2_residual
-    v2, s2 = C._quantize(C.shard_blocks(c2, nn, hop2_block), hop2_bits, codec, k2)
-    new2 = None
-    if hop2_residual is not None:
-        new2 = c2 - C.unblock(C._dequantize(v2, s2, hop2_bits, jnp.float32, codec), rows_shape)
-    rv2 = lax.all_to_all(v2, node_axis, 0, 0)
-    rs2 = lax.all_to_all(s2, node_axis, 0, 0)
-    out = C.unblock(codec.dequantize_sum_blocks(rv2, rs2, bits=hop2_bits)[None], rows_shape)
-    return out, new1, new2
+    _check_residual("hop-2", hop2_residual, (nn * rows, *x.shape[1:]), hop2_bits)
+    return C._two_hop(
+        x,
+        hop1_residual,
+        hop2_residual,
+        bits=bits,
+        block_size=block_size,
+        node_bits=node_bits,
+        node_block_size=node_block_size,
+        node_axis=node_axis,
+        local_axis=local_axis,
+        codec=codec,
+        key=key,
+    )

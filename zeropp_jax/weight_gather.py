@@ -20,16 +20,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zeropp_jax import feedback as F
 from zeropp_jax.collectives import (
-    Format,
     flat_all_gather,
     flat_reduce_scatter,
     gather_from_secondary,
     requantize_secondary,
     secondary_gather,
-    to_wire,
     two_hop_reduce_scatter,
 )
 from zeropp_jax.quant import XLA_CODEC, Codec
+from zeropp_jax.wire import Format, to_wire
 
 SECONDARY_NAME = "zeropp_secondary"
 """`checkpoint_name` of the hpZ secondary shard (quantized values and scales, or raw bits)."""
