@@ -231,6 +231,22 @@ def _header(data: dict[str, dict], schedule: Schedule, argv: Sequence[str]) -> s
     )
 
 
+def _write(paths, text, missing, rows, runs, data, schedule, out, reference, title) -> None:
+    """The common end of a study's report: unfinished runs, the commands, then the
+    markdown, CSV and figure at `paths`."""
+    if missing:
+        text += "\nNot finished: " + "; ".join(missing) + ".\n"
+    text += "\nCommands (from the repository root):\n\n```\n"
+    text += "\n".join(
+        f"python {' '.join(r.command(schedule, out / 'convergence' / r.path))}" for r in runs
+    )
+    text += "\n```\n"
+    _common.write_text(paths[0], text)
+    if rows:
+        _common.write_csv(paths[1], rows)
+    plot_curves(runs, data, reference, paths[2], title)
+
+
 def write_main(out: pathlib.Path, runs, data, status, schedule, argv) -> list[pathlib.Path]:
     rows = main_rows(runs, data)
     paths = [out / "convergence.md", out / "convergence.csv", out / "convergence.png"]
@@ -247,19 +263,8 @@ def write_main(out: pathlib.Path, runs, data, status, schedule, argv) -> list[pa
         for r in runs
         if r.name not in {row["variant"] for row in rows}
     ]
-    if missing:
-        text += "\nNot finished: " + "; ".join(missing) + ".\n"
-    text += "\nCommands (from the repository root):\n\n```\n"
-    text += "\n".join(
-        f"python {' '.join(r.command(schedule, out / 'convergence' / r.path))}" for r in runs
-    )
-    text += "\n```\n"
-    _common.write_text(paths[0], text)
-    if rows:
-        _common.write_csv(paths[1], rows)
-    plot_curves(
-        runs, data, REFERENCE, paths[2], "ZeRO++ variants vs ZeRO-3: same seed, data, val batches"
-    )
+    title = "ZeRO++ variants vs ZeRO-3: same seed, data, val batches"
+    _write(paths, text, missing, rows, runs, data, schedule, out, REFERENCE, title)
     return paths
 
 
@@ -288,15 +293,6 @@ def write_events(
         for r in runs
         if r.injection.k not in {row["k"] for row in rows}
     ]
-    if missing:
-        text += "\nNot finished: " + "; ".join(missing) + ".\n"
-    text += "\nCommands (from the repository root):\n\n```\n"
-    text += "\n".join(
-        f"python {' '.join(r.command(schedule, out / 'convergence' / r.path))}" for r in runs
-    )
-    text += "\n```\n"
-    _common.write_text(paths[0], text)
-    if rows:
-        _common.write_csv(paths[1], rows)
-    plot_curves(runs, data, "k0", paths[2], f"k extra {bits}-bit gradient events (ZeRO-3)")
+    title = f"k extra {bits}-bit gradient events (ZeRO-3)"
+    _write(paths, text, missing, rows, runs, data, schedule, out, "k0", title)
     return paths

@@ -260,3 +260,10 @@ def test_pallas_interpret_equals_xla_with_weight_delta():
         strict=True,
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_apply_gradients_refuses_to_replace_the_references_carrier():
+    state, _ = make_state(DELTA)
+    grads = jax.jit(jax.grad(lambda p: loss_of(state.apply_fn, p, batch(0))))(state.params)
+    with pytest.raises(ValueError, match="carries the weight references"):
+        state.apply_gradients(grads=grads, apply_fn=state.apply_fn)

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from test_engine import train_step
 
 import pallas_kernels
 import zeropp_jax as zpp
@@ -30,15 +31,6 @@ class Tiny(nn.Module):
     @nn.compact
     def __call__(self, x):
         return nn.Dense(3)(jnp.tanh(nn.Dense(24)(x)))
-
-
-def train_step(state, batch):
-    def loss_fn(params):
-        out = state.apply_fn({"params": params}, batch["x"])
-        return jnp.mean((out - batch["y"]) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), {"loss": loss}
 
 
 def batches(n=3, size=16):

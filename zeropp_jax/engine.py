@@ -179,7 +179,13 @@ class TrainState(train_state.TrainState):
             if new_res is not None:
                 new_res = jax.tree_util.tree_map(keep, new_res, old_res)
             skipped = skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
-        if self.weight_ref is not None and "apply_fn" not in kwargs:
+        if self.weight_ref is not None:
+            if "apply_fn" in kwargs:
+                raise ValueError(
+                    "apply_gradients(apply_fn=...) with ZeroPPConfig.weight_delta_bits: the "
+                    "state's apply_fn carries the weight references this step advances; "
+                    "do not replace it."
+                )
             refs = advance_weight_references(
                 new_params, self.weight_ref, self.config, self.mesh, self.layouts[1]
             )

@@ -70,19 +70,22 @@ def zeros(
     hop1, hop2 = hops(config, nn, ll)
     if not (hop1 or hop2):
         return None
-    sharding = NamedSharding(mesh, SPEC)
-
-    def make(on: bool, which: int) -> tuple[jax.Array | None, ...]:
-        out = []
-        for lo in leaf_layouts:
-            if not (on and lo.sharded):
-                out.append(None)
-                continue
-            shape = shapes(lo, nn, ll)[which]
-            out.append(jax.jit(lambda s=shape: jnp.zeros(s, jnp.float32), out_shardings=sharding)())
-        return tuple(out)
-
-    return {"hop1": make(hop1, 0), "hop2": make(hop2, 1)}
+    wanted = [
+        (hop, i, shapes(lo, nn, ll)[hop])
+        for hop, on in ((0, hop1), (1, hop2))
+        if on
+        for i, lo in enumerate(leaf_layouts)
+        if lo.sharded
+    ]
+    # One program for every buffer (not one compile per leaf at start-up).
+    made = jax.jit(
+        lambda: [jnp.zeros(shape, jnp.float32) for _, _, shape in wanted],
+        out_shardings=NamedSharding(mesh, SPEC),
+    )()
+    out: list[list[jax.Array | None]] = [[None] * len(leaf_layouts) for _ in range(2)]
+    for (hop, i, _), r in zip(wanted, made, strict=True):
+        out[hop][i] = r
+    return {"hop1": tuple(out[0]), "hop2": tuple(out[1])}
 
 
 def split(params: Any) -> tuple[Any, Any]:
