@@ -188,19 +188,21 @@ def call(
         from jax.experimental.pallas import triton as pltriton
 
         compiler_params = pltriton.CompilerParams(num_warps=tiling.num_warps)
-    return tuple(
-        pl.pallas_call(
-            body,
-            out_shape=out_shape,
-            grid=(grid,),
-            in_specs=in_specs,
-            out_specs=list(out_specs),
-            input_output_aliases=aliases,
-            interpret=interpret,
-            compiler_params=compiler_params,
-            name=name,
-        )(*operands)
+    kernel_call = pl.pallas_call(
+        body,
+        out_shape=out_shape,
+        grid=(grid,),
+        in_specs=in_specs,
+        out_specs=list(out_specs),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name=name,
     )
+    # `jax.jit` makes the call removable when nothing uses its outputs: JAX never drops a
+    # bare `pallas_call` (its DCE rule keeps it), so in a rematerialized backward pass a
+    # dequantize whose weight the backward does not need kept its all-gather alive too.
+    return tuple(jax.jit(kernel_call)(*operands))
 
 
 def num_programs(num_blocks: int, rows: int) -> int:

@@ -11,7 +11,7 @@ its single-device meaning.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -356,9 +356,19 @@ class ShardedStep:
         fn, batch = self._prepare(state, batch)
         return fn(state, batch)
 
-    def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
+    def lower(
+        self, state: TrainState, batch: Any, *, platforms: Sequence[str] | None = None
+    ) -> jax.stages.Lowered:
+        """The step's `jax.stages.Lowered`, for the devices of the mesh or for `platforms`.
+
+        `platforms=("cuda",)` lowers the same program for NVIDIA GPUs on any machine (the
+        compiled Pallas kernels become Triton calls), e.g. to read its collectives with
+        `comm_ledger`; the result can be inspected but not compiled or run here.
+        """
         fn, batch = self._prepare(state, batch)
-        return fn.lower(state, batch)
+        if platforms is None:
+            return fn.lower(state, batch)
+        return fn.trace(state, batch).lower(lowering_platforms=tuple(platforms))
 
 
 def shard(

@@ -35,7 +35,11 @@ def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:
     """The block-quantization implementation `config.kernels` asks for.
 
     "auto" is Pallas on GPU and XLA elsewhere; "pallas_interpret" runs the Pallas kernels
-    in interpret mode (for CPU tests).
+    in interpret mode (for CPU tests). `platform` defaults to `jax.default_backend()`.
+
+    Raises:
+      ValueError: for Pallas with an fp8 format, compiled Pallas off a GPU, or compiled
+        Pallas with a block size that is not a power of two.
     """
     platform = platform or jax.default_backend()
     kind = config.kernels
@@ -64,6 +68,19 @@ def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:
             f"ZeroPPConfig.kernels='pallas' needs a GPU, but the backend is {platform!r}; "
             "use kernels='xla' (or 'pallas_interpret' to run the kernels interpreted)."
         )
+    if kind == "pallas":
+        sizes = {
+            "weight_block_size": config.weight_block_size,
+            "grad_block_size": config.grad_block_size,
+            "grad_node_block_size": config.grad_node_block_size,
+        }
+        for field, size in sizes.items():
+            if size is not None and size & (size - 1):
+                raise ValueError(
+                    f"ZeroPPConfig.kernels={config.kernels!r} resolves to the compiled Pallas "
+                    f"kernels, which tile blocks in powers of two, but {field}={size}; use a "
+                    "power of two (64, 128, 256, 512) or kernels='xla'."
+                )
     return pallas_kernels.codec(interpret=kind == "pallas_interpret")
 
 

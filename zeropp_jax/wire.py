@@ -42,9 +42,11 @@ def _group_size(axis_name: AxisName) -> int:
 
 def effective_block_size(piece_size: int, block_size: int) -> int:
     """The block size used for pieces of `piece_size` values: `block_size`, or less for a
-    small piece (rounded up to a multiple of 8 so every bit width packs into whole bytes),
-    so that a piece of a few values is not padded to a whole large block on the wire."""
-    return min(block_size, max(8, -(-piece_size // 8) * 8))
+    small piece, so that a piece of a few values is not padded to a whole large block on
+    the wire. The smaller block is the piece size rounded up to a power of two (at least 8,
+    so every bit width packs into whole bytes): the compiled Pallas kernels tile blocks in
+    powers of two, and a power-of-two `block_size` then always gives a power-of-two block."""
+    return min(block_size, max(8, 1 << max(0, piece_size - 1).bit_length()))
 
 
 def shard_blocks(x: jax.Array, pieces: int, block_size: int) -> jax.Array:
