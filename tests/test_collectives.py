@@ -331,3 +331,12 @@ def test_flat_16bit_reduce_scatter_is_a_ring_within_bf16_rounding(shape):
         .as_text()
     )
     assert ("collective_permute" in hlo) == (n > 1) and "all_to_all" not in hlo
+
+
+def test_small_pieces_get_power_of_two_blocks():
+    """A piece smaller than its block uses its size rounded up to a power of two (at least
+    8): the compiled Pallas kernels tile blocks in powers of two."""
+    sizes = (1, 8, 9, 17, 48, 65, 256, 1000)
+    assert [C.effective_block_size(n, 256) for n in sizes] == [8, 8, 16, 32, 64, 128, 256, 256]
+    assert C.effective_block_size(50, 96) == 64  # never above the configured size
+    assert C.effective_block_size(100, 96) == 96

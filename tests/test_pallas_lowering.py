@@ -197,3 +197,27 @@ def test_compiled_kernels_refuse_block_sizes_that_are_not_powers_of_two():
         island.resolve_codec(zpp.ZeroPPConfig(weight_block_size=48), platform="gpu")
     assert island.resolve_codec(config.replace(kernels="pallas_interpret")) is pk.codec(True)
     assert island.resolve_codec(config.replace(kernels="xla"), platform="gpu") is XLA_CODEC
+
+
+def test_gpt_step_lowers_for_cuda_and_sends_what_the_xla_step_sends(monkeypatch):
+    """The trainer's byte-level GPT (attention, LayerNorm, tied embedding), ZeRO++ default:
+    the step `zeropp-train` runs on a GPU lowers for CUDA with the same ledger."""
+    import test_engine_gpt as gpt
+
+    mesh = zpp.make_mesh(2, 4)
+    tx = optax.adamw(1e-3)
+    xla = zpp.ZeroPPConfig(kernels="xla")
+    want = zpp.comm_ledger(
+        zpp.shard(gpt.train_step, mesh=mesh, config=xla),
+        gpt.make_state(xla, mesh, tx),
+        gpt.batch(0),
+    )
+    _compiled_pallas_as_on_a_gpu(monkeypatch)
+    pallas = xla.replace(kernels="pallas")
+    step = zpp.shard(gpt.train_step, mesh=mesh, config=pallas)
+    state = gpt.make_state(pallas, mesh, tx)
+    text = step.lower(state, gpt.batch(0), platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == {TRITON}
+    got = zpp.comm_ledger(_CudaLowering(step), state, gpt.batch(0))
+    assert got.records == want.records
+    assert got.model_bytes == want.model_bytes
