@@ -20,6 +20,7 @@ import numpy as np
 
 COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce", "collective-permute")
 
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
 _CALLED_ATTRS = ("to_apply", "calls", "body", "condition", "true_computation", "false_computation")
 _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
@@ -161,7 +162,7 @@ def parse_hlo_module(text: str) -> HloModule:
     tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
     entry, current, body, section = "", None, [], None
     for raw in text.splitlines():
-        line = raw.strip()
+        line = _COMMENT_RE.sub("", raw).strip()  # compiled HLO marks tuples `/*index=5*/`
         if current is not None:
             if line == "}":
                 computations[current] = tuple(body)

@@ -4,7 +4,8 @@ The ledger reads the lowered, pre-optimisation HLO of a jitted callable (the pro
 JAX wrote it, before XLA merges, widens or reorders anything) and turns each collective
 into a `CollectiveRecord`: its dtype, its per-device shapes, the mesh axes its replica
 groups span, whether it crosses nodes, its phase (forward or backward) and how often it
-runs (the product of the trip counts of the loops around it).
+runs (the product of the trip counts of the loops around it). `comm_ledger(...,
+compiled=True)` reads XLA's optimised program the same way, to check what actually runs.
 
 Bytes sent per device follow one set of definitions (DESIGN.md, "How we measure"), with
 `G` the replica group size and `n` the loop trip count:
@@ -385,9 +386,16 @@ def comm_ledger(
     *args: Any,
     mesh: Mesh | None = None,
     param_count: int | None = None,
+    compiled: bool = False,
     **kwargs: Any,
 ) -> CommLedger:
     """Lowers `fn(*args, **kwargs)` and accounts for every collective it runs.
+
+    By default the ledger reads the lowered program, as JAX wrote it. `compiled=True`
+    compiles it and reads XLA's optimised program instead, the one that runs: the same
+    records, plus any collective XLA's SPMD partitioner adds outside `shard_map` (for a
+    `zpp.shard` step, scalar all-reduces of the loss and of the finite-gradient flags)
+    and minus any it removes as dead code.
 
     Args:
       fn: a jitted callable (has `.lower`), e.g. the result of `zpp.shard` or `jax.jit`.
@@ -396,6 +404,7 @@ def comm_ledger(
         is a `jax.Array` with a `NamedSharding`.
       param_count: number of model parameters, defining M = 2 * param_count bytes;
         default: `args[0].param_count` when that is an int, else unknown.
+      compiled: read the compiled, optimised program rather than the lowered one.
       **kwargs: its keyword arguments.
 
     Returns:
@@ -433,19 +442,33 @@ def comm_ledger(
             )
 
     lowered = fn.lower(*args, **kwargs)
-    module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
+    if compiled:
+        module = parse_hlo_module(lowered.compile().as_text())
+        known = {ins.name: count for ins, count in known_trip_counts(module)}
+    else:
+        module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
     paths = call_paths(module)
-    compiled: dict[LoopKey, set[int]] | None = None
+    compiled_counts: dict[LoopKey, set[int]] | None = None
 
     def trip_count(loop: HloInstruction, comp: str, phase: str) -> int:
-        nonlocal compiled
+        nonlocal compiled_counts
+        if compiled:
+            if loop.name in known:
+                return known[loop.name]
+            raise ValueError(
+                f"comm_ledger: the compiled loop {loop.name!r} holds a collective but has no "
+                "known_trip_count; use compiled=False (the lowered program's loops are read "
+                "from their bounds)."
+            )
         count = scan_trip_count(module, loop, comp)
         if count is not None:
             return count
-        if compiled is None:
-            compiled = compiled_trip_counts(parse_hlo_module(lowered.compile().as_text()))
+        if compiled_counts is None:
+            compiled_counts = compiled_trip_counts(
+                parse_hlo_module(lowered.compile().as_text())
+            )
         where = module.locations.get(loop.frame)
-        counts = compiled.get((where, phase), set())
+        counts = compiled_counts.get((where, phase), set())
         if len(counts) != 1:
             raise ValueError(
                 f"comm_ledger: the loop {loop.name!r} at {where} holds a collective but its "
