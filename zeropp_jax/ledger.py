@@ -464,9 +464,7 @@ def comm_ledger(
         if count is not None:
             return count
         if compiled_counts is None:
-            compiled_counts = compiled_trip_counts(
-                parse_hlo_module(lowered.compile().as_text())
-            )
+            compiled_counts = compiled_trip_counts(parse_hlo_module(lowered.compile().as_text()))
         where = module.locations.get(loop.frame)
         counts = compiled_counts.get((where, phase), set())
         if len(counts) != 1:
