@@ -113,13 +113,16 @@ def _compiled_pallas_as_on_a_gpu(monkeypatch) -> None:
 
 
 class _CudaLowering:
-    """`comm_ledger` wants a callable with `.lower`: the step lowered for CUDA."""
+    """`comm_ledger` wants a callable with `.lower`: the step lowered for CUDA, kept in
+    `lowered` so a test reads its text without lowering it again."""
 
     def __init__(self, step: zpp.ShardedStep) -> None:
         self.step = step
+        self.lowered: jax.stages.Lowered | None = None
 
     def lower(self, state, batch):
-        return self.step.lower(state, batch, platforms=("cuda",))
+        self.lowered = self.step.lower(state, batch, platforms=("cuda",))
+        return self.lowered
 
 
 @pytest.mark.parametrize(
@@ -168,21 +171,22 @@ def test_training_step_lowers_for_cuda_and_sends_what_the_xla_step_sends(
     params = model.init(jax.random.key(0), jnp.ones((1, 10)))["params"]
     batch = batches(1)[0]
 
-    def ledger(config, platforms_fn):
+    def build(config):
         state = zpp.TrainState.create(
             apply_fn=model.apply, params=params, tx=optax.adam(1e-2), mesh=mesh, config=config
         )
-        step = zpp.shard(train_step, mesh=mesh, config=config)
-        return state, step, zpp.comm_ledger(platforms_fn(step), state, batch)
+        return zpp.shard(train_step, mesh=mesh, config=config), state
 
     xla = zpp.ZeroPPConfig(kernels="xla", **fields)
-    _, _, want = ledger(xla, lambda step: step)
-    _, _, interpreted = ledger(xla.replace(kernels="pallas_interpret"), lambda step: step)
+    want = zpp.comm_ledger(*build(xla), batch)
+    interpreted = zpp.comm_ledger(*build(xla.replace(kernels="pallas_interpret")), batch)
     assert interpreted.records == want.records
 
     _compiled_pallas_as_on_a_gpu(monkeypatch)
-    state, step, got = ledger(xla.replace(kernels="pallas"), _CudaLowering)
-    text = step.lower(state, batch, platforms=("cuda",)).as_text()
+    step, state = build(xla.replace(kernels="pallas"))
+    cuda = _CudaLowering(step)
+    got = zpp.comm_ledger(cuda, state, batch)
+    text = cuda.lowered.as_text()
     assert _custom_calls(text) == {TRITON}
     assert set(_kernel_names(text)) == kernels
     assert got.records == want.records
@@ -215,9 +219,8 @@ def test_gpt_step_lowers_for_cuda_and_sends_what_the_xla_step_sends(monkeypatch)
     _compiled_pallas_as_on_a_gpu(monkeypatch)
     pallas = xla.replace(kernels="pallas")
     step = zpp.shard(gpt.train_step, mesh=mesh, config=pallas)
-    state = gpt.make_state(pallas, mesh, tx)
-    text = step.lower(state, gpt.batch(0), platforms=("cuda",)).as_text()
-    assert _custom_calls(text) == {TRITON}
-    got = zpp.comm_ledger(_CudaLowering(step), state, gpt.batch(0))
+    cuda = _CudaLowering(step)
+    got = zpp.comm_ledger(cuda, gpt.make_state(pallas, mesh, tx), gpt.batch(0))
+    assert _custom_calls(cuda.lowered.as_text()) == {TRITON}
     assert got.records == want.records
     assert got.model_bytes == want.model_bytes
