@@ -107,9 +107,13 @@ def test_gather_params_restores_shapes_and_dtypes():
     state = zpp.TrainState.create(
         apply_fn=lambda v, x: x, params=params, tx=optax.sgd(0.1), mesh=mesh
     )
-    # Master copies: float32, padded to a multiple of 8 rows, sharded; others replicated.
-    assert state.params["w"].shape == (8, 5) and state.params["w"].dtype == jnp.float32
-    assert state.params["w"].sharding.spec == engine.part.PARAM_SPEC
+    # Master copies: float32; a matrix keeps its rows, each padded to a multiple of 8
+    # values and sharded along axis 1; a vector is padded to a multiple of 8 and sharded;
+    # others replicated.
+    assert state.params["w"].shape == (3, 8) and state.params["w"].dtype == jnp.float32
+    assert state.params["w"].sharding.spec == engine.part.ROW_PARAM_SPEC
+    assert state.params["b"].shape == (8,)
+    assert state.params["b"].sharding.spec == engine.part.PARAM_SPEC
     assert state.params["table"].sharding.spec == engine.part.REPLICATED
     assert state.params["s"].sharding.spec == engine.part.REPLICATED
     got = zpp.gather_params(state)
@@ -126,11 +130,12 @@ def test_padding_stays_zero_and_optimizer_state_is_sharded():
     state, _ = sharded(params, TX, [batch] * 3, mesh, zpp.ZeroPPConfig())
     for lo, x in zip(state.layouts[1], jax.tree_util.tree_leaves(state.params), strict=True):
         if lo.sharded:
-            assert not np.any(np.asarray(x)[lo.shape[0] :])
+            rows = np.asarray(x).reshape(lo.lead, lo.padded_cols)
+            assert not np.any(rows[:, lo.cols :])
     mu = state.opt_state[1][0].mu
-    for x in jax.tree_util.tree_leaves(mu):
+    for lo, x in zip(state.layouts[1], jax.tree_util.tree_leaves(mu), strict=True):
         if x.ndim:
-            assert x.sharding.spec == engine.part.PARAM_SPEC
+            assert x.sharding.spec == engine.part.leaf_spec(lo)
 
 
 def test_parameters_and_optimizer_state_take_one_eighth_per_device():
@@ -280,3 +285,99 @@ def test_non_batch_array_arguments_are_replicated():
     _, m = zpp.shard(step_fn, mesh=mesh, config=zpp.ZeroPPConfig(**EXACT))(state, x)
     ref = model.apply({"params": params}, x, table)
     np.testing.assert_allclose(np.asarray(m["out"]), np.asarray(ref), rtol=1e-6)
+
+
+def test_shard_takes_mesh_and_config_from_the_state():
+    """`zpp.shard(train_step)` without mesh= or config= runs the same program as with them:
+    loss and parameters equal bit for bit over two steps."""
+    mesh = zpp.make_mesh(2, 4)
+    config = zpp.ZeroPPConfig()
+    model = nn.Dense(3)
+    batches = [data(i) for i in range(2)]
+    params = model.init(jax.random.key(0), batches[0]["x"])["params"]
+
+    def step_fn(state, batch):
+        def loss_fn(params):
+            out = state.apply_fn({"params": params}, batch["x"])
+            return jnp.mean((out - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    def run(step):
+        state = zpp.TrainState.create(
+            apply_fn=model.apply, params=params, tx=optax.adam(1e-2), mesh=mesh, config=config
+        )
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(np.asarray(m["loss"]))
+        return losses, zpp.gather_params(state)
+
+    got_losses, got = run(zpp.shard(step_fn))
+    want_losses, want = run(zpp.shard(step_fn, mesh=mesh, config=config))
+    np.testing.assert_array_equal(got_losses, want_losses)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_shard_compiles_per_mesh_and_config():
+    """One step without checks serves states of different meshes and configs, each with
+    its own compiled program."""
+    model = nn.Dense(3)
+    x = data()["x"]
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def step_fn(state, batch):
+        return state, {"out": state.apply_fn({"params": state.params}, batch)}
+
+    step = zpp.shard(step_fn)
+    ref = np.asarray(model.apply({"params": params}, x))
+    for shape, config in [
+        ((2, 4), EXACT),
+        ((1, 8), EXACT),
+        ((1, 8), dict(EXACT, hierarchical=False)),
+    ]:
+        mesh = zpp.make_mesh(*shape)
+        state = zpp.TrainState.create(
+            apply_fn=model.apply,
+            params=params,
+            tx=optax.sgd(0.0),
+            mesh=mesh,
+            config=zpp.ZeroPPConfig(**config),
+        )
+        _, m = step(state, x)
+        assert m["out"].sharding.mesh == mesh
+        np.testing.assert_allclose(np.asarray(m["out"]), ref, rtol=1e-6)
+
+
+def test_shard_checks_mesh_and_config_when_given(setup):
+    mesh, config, state, batch, params = setup
+    other_mesh = zpp.make_mesh(1, 8)
+    with pytest.raises(
+        ValueError,
+        match=r"built for mesh \{'node': 2, 'local': 4\}.*but the step for mesh "
+        r"\{'node': 1, 'local': 8\}.*leave out zpp.shard's mesh=",
+    ):
+        zpp.shard(train_step, mesh=other_mesh)(state, batch)
+    with pytest.raises(
+        ValueError,
+        match=r"another ZeroPPConfig than the step \(weight_bits: state 8, step None.*"
+        r"leave out zpp.shard's config=",
+    ):
+        zpp.shard(train_step, config=zpp.ZeroPPConfig.zero3())(state, batch)
+    plain = train_state.TrainState.create(apply_fn=Net().apply, params=params, tx=TX)
+    with pytest.raises(
+        ValueError,
+        match=r"expected a zeropp_jax.TrainState, got flax.training.train_state.TrainState; "
+        r"build it with zpp.TrainState.create",
+    ):
+        zpp.shard(train_step)(plain, batch)
+    with pytest.raises(ValueError, match="carries mesh NoneType and config NoneType"):
+        zpp.shard(train_step)(state.replace(mesh=None, config=None), batch)
+    with pytest.raises(ValueError, match="global batch 12 is not divisible by the 8 devices"):
+        zpp.shard(train_step).lower(state, data(batch=12))
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
+        zpp.shard(train_step, mesh={"node": 2})
+    with pytest.raises(ValueError, match="config must be a zeropp_jax.ZeroPPConfig, got dict"):
+        zpp.shard(train_step, config={})

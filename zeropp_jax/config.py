@@ -106,6 +106,11 @@ class ZeroPPConfig:
       kernels: implementation of quantize/dequantize: "xla" (plain jnp), "pallas" (the
         kernels in `pallas_kernels`, GPU only), "pallas_interpret" (the same kernels in
         Pallas interpret mode, for CPU tests), or "auto" (Pallas on GPU, XLA elsewhere).
+      prefetch: gather each weight one use ahead: an unrolled model's next weight is
+        gathered while the current one computes, a scan's layer i + 1 while layer i
+        computes (forward), so a GPU can overlap the communication with compute. Costs at
+        most one more layer of full weights in flight. False gathers each weight just
+        before its use.
       skip_nonfinite_updates: if True, a step whose gradients hold NaN or Inf leaves the
         parameters and optimizer state unchanged (the step counter and a skipped-step
         counter still advance) instead of writing non-finite values into the master weights.
@@ -118,6 +123,7 @@ class ZeroPPConfig:
     grad_block_size: int = 256
     compute_dtype: Any = jnp.bfloat16
     kernels: str = "auto"
+    prefetch: bool = True
     skip_nonfinite_updates: bool = False
     weight_local_bits: int | str | None = SAME
     grad_node_bits: int | str | None = SAME
@@ -169,6 +175,8 @@ class ZeroPPConfig:
             )
         if not isinstance(self.hierarchical, bool):
             _fail("hierarchical", self.hierarchical, "True or False")
+        if not isinstance(self.prefetch, bool):
+            _fail("prefetch", self.prefetch, "True or False")
         if not isinstance(self.skip_nonfinite_updates, bool):
             _fail("skip_nonfinite_updates", self.skip_nonfinite_updates, "True or False")
         if self.kernels not in KERNELS:

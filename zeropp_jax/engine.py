@@ -24,13 +24,8 @@ from jax.sharding import Mesh, NamedSharding
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax.config import ZeroPPConfig
-from zeropp_jax.island import (
-    IslandApply,
-    _is_array,
-    advance_weight_references,
-    full_weight_references,
-    make_island_apply,
-)
+from zeropp_jax.island import IslandApply, is_array, make_island_apply
+from zeropp_jax.references import advance_weight_references, full_weight_references
 from zeropp_jax.mesh import mesh_shape
 
 # ----------------------------------------------------------------------------- state
@@ -51,12 +46,11 @@ def init_opt_state(
 ) -> Any:
     """`tx.init(master)` with every leaf shaped like a sharded parameter sharded like one
     (moments, traces) and everything else (counts, schedules' state) replicated."""
-    sharded_shapes = {(lo.padded_rows, *lo.shape[1:]) for lo in leaf_layouts if lo.sharded}
+    specs = {lo.stored_shape: part.leaf_spec(lo) for lo in leaf_layouts if lo.sharded}
     abstract = jax.eval_shape(tx.init, master)
 
     def sharding(x):
-        spec = part.PARAM_SPEC if tuple(x.shape) in sharded_shapes else part.REPLICATED
-        return NamedSharding(mesh, spec)
+        return NamedSharding(mesh, specs.get(tuple(x.shape), part.REPLICATED))
 
     return jax.jit(tx.init, out_shardings=jax.tree_util.tree_map(sharding, abstract))(master)
 
@@ -252,7 +246,7 @@ def check_batch(batch: Any, num_devices: int) -> int:
     sizes = {}
     for path, x in leaves:
         name = jax.tree_util.keystr(path) or "batch"
-        if not _is_array(x) or len(x.shape) == 0:
+        if not is_array(x) or len(x.shape) == 0:
             raise ValueError(
                 f"batch leaf {name} is {type(x).__name__} with shape "
                 f"{getattr(x, 'shape', None)}; every batch leaf must be an array whose "
@@ -274,21 +268,36 @@ def check_batch(batch: Any, num_devices: int) -> int:
     return size
 
 
-def check_state(state: Any, mesh: Mesh, config: ZeroPPConfig) -> None:
-    """Raises `ValueError` unless `state` is a zpp.TrainState built for `mesh` and `config`."""
+def check_state(state: Any, mesh: Mesh | None = None, config: ZeroPPConfig | None = None) -> None:
+    """Raises `ValueError` unless `state` is a zpp.TrainState, built for `mesh` and `config`.
+
+    Args:
+      state: the state a `zpp.shard` step was called with.
+      mesh: the mesh the state must carry; None accepts the state's own.
+      config: the `ZeroPPConfig` the state must carry; None accepts the state's own.
+    """
     if not isinstance(state, TrainState):
+        kind = type(state)
         raise ValueError(
-            f"expected a zeropp_jax.TrainState, got {type(state).__name__}; build it with "
-            "zpp.TrainState.create(apply_fn=, params=, tx=, mesh=, config=)."
+            f"expected a zeropp_jax.TrainState, got {kind.__module__}.{kind.__qualname__}; "
+            "build it with zpp.TrainState.create(apply_fn=, params=, tx=, mesh=, config=)."
         )
-    if state.mesh != mesh:
+    if not isinstance(state.mesh, Mesh) or not isinstance(state.config, ZeroPPConfig):
+        raise ValueError(
+            f"the zeropp_jax.TrainState carries mesh {type(state.mesh).__name__} and config "
+            f"{type(state.config).__name__}, expected a jax.sharding.Mesh and a ZeroPPConfig; "
+            "build the state with zpp.TrainState.create(..., mesh=, config=) rather than "
+            "with the dataclass constructor or .replace(mesh=, config=)."
+        )
+    if mesh is not None and state.mesh != mesh:
         raise ValueError(
             f"the state was built for mesh {dict(state.mesh.shape)} on devices "
             f"{state.mesh.device_ids.tolist()}, but the step for mesh {dict(mesh.shape)} on "
-            f"devices {mesh.device_ids.tolist()}; create both with the same mesh (or restore "
-            "the checkpoint onto a state for this mesh)."
+            f"devices {mesh.device_ids.tolist()}; create both with the same mesh, restore "
+            "the checkpoint onto a state for this mesh, or leave out zpp.shard's mesh= to "
+            "run on the state's mesh."
         )
-    if state.config != config:
+    if config is not None and state.config != config:
         diff = {
             f.name: (getattr(state.config, f.name), getattr(config, f.name))
             for f in dataclasses.fields(config)
@@ -297,23 +306,33 @@ def check_state(state: Any, mesh: Mesh, config: ZeroPPConfig) -> None:
         detail = ", ".join(f"{k}: state {a!r}, step {b!r}" for k, (a, b) in diff.items())
         raise ValueError(
             f"the state was built for another ZeroPPConfig than the step ({detail}); create "
-            "both with the same ZeroPPConfig."
+            "both with the same ZeroPPConfig, or leave out zpp.shard's config= to run with "
+            "the state's config."
         )
 
 
 class ShardedStep:
-    """A train step compiled for one mesh and config (what `zpp.shard` returns).
+    """What `zpp.shard` returns: a train step jitted for each state's mesh and config.
 
-    Calling it validates the state and batch in Python (before anything compiles), places
-    the batch on the mesh (leading dimension over all devices) and runs the jitted step.
-    `lower(state, batch)` gives the `jax.stages.Lowered` of the same program.
+    Calling it validates the state and batch in Python (before anything compiles): the
+    state must be a zpp.TrainState, built for `mesh` and `config` where those are set, and
+    the global batch must divide over `state.mesh`. It then places the batch on that mesh
+    (leading dimension over all devices) and runs the step, jitted once per mesh, config
+    and tree structure of state and batch. `lower(state, batch)` gives the
+    `jax.stages.Lowered` of the same program.
+
+    Attributes:
+      train_step: the user's `train_step(state, batch) -> (state, metrics)`.
+      mesh: the mesh every state must be built for, or None for the state's own.
+      config: the `ZeroPPConfig` every state must be built with, or None for the state's.
+      donate_state: whether the input state's buffers are donated to the output.
     """
 
     def __init__(
         self,
         train_step: Callable[..., Any],
-        mesh: Mesh,
-        config: ZeroPPConfig,
+        mesh: Mesh | None,
+        config: ZeroPPConfig | None,
         donate_state: bool,
     ) -> None:
         self.train_step = train_step
@@ -332,8 +351,9 @@ class ShardedStep:
 
     def _prepare(self, state: TrainState, batch: Any) -> tuple[Any, Any]:
         check_state(state, self.mesh, self.config)
-        check_batch(batch, self.mesh.size)
-        sharding = NamedSharding(self.mesh, part.BATCH_SPEC)
+        mesh = state.mesh
+        check_batch(batch, mesh.size)
+        sharding = NamedSharding(mesh, part.BATCH_SPEC)
 
         def place(x):
             if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -341,10 +361,15 @@ class ShardedStep:
             return jax.device_put(x, sharding)
 
         batch = jax.tree_util.tree_map(place, batch)
-        key = (jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(batch))
+        key = (
+            mesh,
+            state.config,
+            jax.tree_util.tree_structure(state),
+            jax.tree_util.tree_structure(batch),
+        )
         if key not in self._cache:
             state_shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
-            replicated = NamedSharding(self.mesh, part.REPLICATED)
+            replicated = NamedSharding(mesh, part.REPLICATED)
             self._cache[key] = jax.jit(
                 self._wrapped,
                 out_shardings=(state_shardings, replicated),
@@ -359,7 +384,7 @@ class ShardedStep:
     def lower(
         self, state: TrainState, batch: Any, *, platforms: Sequence[str] | None = None
     ) -> jax.stages.Lowered:
-        """The step's `jax.stages.Lowered`, for the devices of the mesh or for `platforms`.
+        """The step's `jax.stages.Lowered`, for the devices of `state.mesh` or for `platforms`.
 
         `platforms=("cuda",)` lowers the same program for NVIDIA GPUs on any machine (the
         compiled Pallas kernels become Triton calls), e.g. to read its collectives with
@@ -374,17 +399,23 @@ class ShardedStep:
 def shard(
     train_step: Callable[..., Any],
     *,
-    mesh: Mesh,
+    mesh: Mesh | None = None,
     config: ZeroPPConfig | None = None,
     donate_state: bool = False,
 ) -> ShardedStep:
-    """Compiles an ordinary Flax `train_step(state, batch) -> (state, metrics)` for `mesh`.
+    """Jits an ordinary Flax `train_step(state, batch) -> (state, metrics)` for zpp states.
+
+    The step runs on the mesh and with the config of the state it is called with
+    (`state.mesh`, `state.config`, set by `TrainState.create`). `mesh` and `config` are
+    optional checks: where given, every state must carry exactly them.
 
     Args:
       train_step: written for a flax TrainState: `jax.value_and_grad` of a loss calling
         `state.apply_fn({'params': params}, ...)`, then `state.apply_gradients(grads=)`.
-      mesh: a mesh from `zeropp_jax.make_mesh`.
-      config: the `ZeroPPConfig` the state was created with (default: ZeRO++).
+      mesh: the mesh (from `zeropp_jax.make_mesh`) every state must be built for; None
+        (default) takes each state's.
+      config: the `ZeroPPConfig` every state must be built with; None (default) takes
+        each state's.
       donate_state: donate the input state's buffers to the output (saves memory; the
         input state must not be used afterwards).
 
@@ -392,9 +423,23 @@ def shard(
       A callable `(state, batch) -> (state, metrics)` with `.lower(state, batch)`. The
       batch is a pytree of arrays whose leading dimension is the global batch. Dict metrics
       gain `grads_finite` and `skipped_steps`.
+
+    Raises:
+      ValueError: here, for a `mesh` without `('node', 'local')` axes or a `config` that
+        is not a ZeroPPConfig; when the step is called or lowered, for a state that is not
+        a zpp.TrainState or was built for another `mesh` or `config` than the given ones,
+        and for a batch that does not divide over the state's mesh.
     """
-    config = ZeroPPConfig() if config is None else config
-    if not isinstance(config, ZeroPPConfig):
-        raise ValueError(f"config must be a zeropp_jax.ZeroPPConfig, got {type(config)}.")
-    mesh_shape(mesh)
+    if mesh is not None:
+        if not isinstance(mesh, Mesh):
+            raise ValueError(
+                f"mesh must be a jax.sharding.Mesh from zeropp_jax.make_mesh, got "
+                f"{type(mesh).__name__}; or leave it out to use the state's mesh."
+            )
+        mesh_shape(mesh)
+    if config is not None and not isinstance(config, ZeroPPConfig):
+        raise ValueError(
+            f"config must be a zeropp_jax.ZeroPPConfig, got {type(config).__name__}; or leave "
+            "it out to use the state's config."
+        )
     return ShardedStep(train_step, mesh, config, donate_state)

@@ -1,12 +1,12 @@
 """The shard_map island: what runs on each device inside `state.apply_fn`.
 
 `make_island_apply` wraps a model's apply into the sharded `apply_fn` of a `TrainState`:
-on each device it gathers every weight (qwZ / hpZ, or from the weight-delta reference),
-runs the model on that device's slice of the batch, and sends gradients back through the
-matching reduction (qgZ, with error feedback when configured). `IslandApply` binds it to
-the state's step and weight references. Also here: the choice of quantization codec, the
-gather spec and remat policy a config implies, and the weight-delta references in the
-global view.
+on each device it traces the model once with full-size abstract weights and runs that
+program with every sharded weight gathered where it is used (`zeropp_jax.placement`: per
+use, or per layer inside a scan; qwZ / hpZ, or from the weight-delta reference), on that
+device's slice of the batch; gradients go back through the matching reduction (qgZ, with
+error feedback when configured). `IslandApply` binds it to the state's step and weight
+references.
 """
 
 from __future__ import annotations
@@ -21,118 +21,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from zeropp_jax import delta as D
 from zeropp_jax import partition as part
+from zeropp_jax import placement
 from zeropp_jax import residuals as R
-from zeropp_jax import weight_gather as W
+from zeropp_jax import weight_gather
+from zeropp_jax.choices import gather_spec, resolve_codec, rounding_key
 from zeropp_jax.config import ZeroPPConfig
-from zeropp_jax.quant import XLA_CODEC, Codec, is_float_format
-
-# ----------------------------------------------------------------------------- codecs
-
-
-def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:
-    """The block-quantization implementation `config.kernels` asks for.
-
-    "auto" is Pallas on GPU and XLA elsewhere; "pallas_interpret" runs the Pallas kernels
-    in interpret mode (for CPU tests). `platform` defaults to `jax.default_backend()`.
-
-    Raises:
-      ValueError: for Pallas with an fp8 format, compiled Pallas off a GPU, or compiled
-        Pallas with a block size that is not a power of two.
-    """
-    platform = platform or jax.default_backend()
-    kind = config.kernels
-    if kind == "auto":
-        kind = "pallas" if platform == "gpu" else "xla"
-    if kind == "xla":
-        return XLA_CODEC
-    formats = (
-        config.weight_bits,
-        config.weight_stage2_bits,
-        config.grad_bits,
-        config.grad_hop2_bits,
-        config.weight_delta_bits,
-    )
-    fp8 = [f for f in formats if isinstance(f, str) and is_float_format(f)]
-    if fp8:
-        raise ValueError(
-            f"ZeroPPConfig.kernels={config.kernels!r} resolves to the Pallas kernels, which "
-            f"implement the integer formats only, but the config uses {fp8[0]!r}; use "
-            "kernels='xla' for fp8 formats."
-        )
-    import pallas_kernels
-
-    if kind == "pallas" and platform != "gpu":
-        raise ValueError(
-            f"ZeroPPConfig.kernels='pallas' needs a GPU, but the backend is {platform!r}; "
-            "use kernels='xla' (or 'pallas_interpret' to run the kernels interpreted)."
-        )
-    if kind == "pallas":
-        sizes = {
-            "weight_block_size": config.weight_block_size,
-            "grad_block_size": config.grad_block_size,
-            "grad_node_block_size": config.grad_node_block_size,
-        }
-        for field, size in sizes.items():
-            if size is not None and size & (size - 1):
-                raise ValueError(
-                    f"ZeroPPConfig.kernels={config.kernels!r} resolves to the compiled Pallas "
-                    f"kernels, which tile blocks in powers of two, but {field}={size}; use a "
-                    "power of two (64, 128, 256, 512) or kernels='xla'."
-                )
-    return pallas_kernels.codec(interpret=kind == "pallas_interpret")
-
-
-def gather_spec(config: ZeroPPConfig, codec: Codec) -> W.GatherSpec:
-    """How every sharded weight is gathered and how its gradient is reduced."""
-    return W.GatherSpec(
-        hierarchical=config.hierarchical,
-        weight_bits=config.weight_bits,
-        weight_block_size=config.weight_block_size,
-        grad_bits=config.grad_bits,
-        grad_block_size=config.grad_block_size,
-        two_hop=config.hierarchical
-        or config.grad_bits is not None
-        or config.grad_hop2_bits is not None,
-        dtype=jnp.dtype(config.compute_dtype),
-        codec=codec,
-        weight_local_bits=config.weight_local_bits,
-        grad_node_bits=config.grad_node_bits,
-        grad_node_block_size=config.grad_node_block_size,
-    )
-
-
-def rounding_key(config: ZeroPPConfig, step: jax.Array, leaf_index: int) -> jax.Array:
-    """The stochastic-rounding key of one parameter leaf at one step (the same on every
-    device; the gradient reduction folds in the device and the hop, see
-    `collectives.hop_keys`): a pure function of `(config.rounding_seed, step, leaf_index)`."""
-    key = jax.random.fold_in(jax.random.key(config.rounding_seed), step)
-    return jax.random.fold_in(key, leaf_index)
-
-
-def remat_policy(config: ZeroPPConfig) -> Callable[..., bool]:
-    """Save matmul outputs and (with hpZ) the secondary shard; never a full weight.
-
-    The backward pass therefore re-gathers every weight it needs: from the saved secondary
-    shard over `local` only with hpZ, over all devices without.
-    """
-    cp = jax.checkpoint_policies
-    if config.hierarchical:
-        return cp.save_from_both_policies(
-            cp.dots_saveable, cp.save_only_these_names(W.SECONDARY_NAME)
-        )
-    return cp.dots_saveable
-
-
-# ----------------------------------------------------------------------------- island
-
+from zeropp_jax.quant import XLA_CODEC
 
 def _is_batch_leaf(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray) and x.ndim >= 1
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
+    """Whether `x` is an array or array-like (has a shape and a dtype)."""
     return isinstance(x, jax.Array | np.ndarray) or (hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
@@ -160,42 +62,15 @@ def make_island_apply(
     treedef, leaf_layouts = layouts
     codec = resolve_codec(config)
     spec = gather_spec(config, codec)
-    policy = remat_policy(config)
     compute = jnp.dtype(config.compute_dtype)
     param_specs = [part.leaf_spec(lo) for lo in leaf_layouts]
+    paths = jax.tree_util.tree_flatten_with_path(
+        jax.tree_util.tree_unflatten(treedef, list(leaf_layouts)), is_leaf=part.is_layout
+    )[0]
+    names = tuple(jax.tree_util.keystr(path) for path, _ in paths)
+    delta_on = config.weight_delta_bits is not None
     # Pallas calls (interpreted or not) carry no varying-axes types.
     check_vma = codec is XLA_CODEC
-
-    def materialize(
-        stored: list[jax.Array],
-        refs: list[jax.Array],
-        res: tuple[list[jax.Array], list[jax.Array]],
-        res_at: tuple[tuple[bool, bool], ...],
-        step: jax.Array | None,
-    ) -> list[jax.Array]:
-        out = []
-        ref_iter = iter(refs)
-        r1_iter, r2_iter = iter(res[0]), iter(res[1])
-        for i, (x, lo) in enumerate(zip(stored, leaf_layouts, strict=True)):
-            if lo.sharded:
-                key = None if step is None else rounding_key(config, step, i)
-                has1, has2 = res_at[i] if res_at else (False, False)
-                residuals: W.Residuals = ()
-                if has1 or has2:
-                    residuals = (
-                        next(r1_iter) if has1 else None,
-                        next(r2_iter) if has2 else None,
-                    )
-                if config.weight_delta_bits is None:
-                    full = W.gather_weight(x, spec, key, residuals)
-                else:
-                    full = W.gather_weight_from_reference(x, next(ref_iter), spec, key, residuals)
-                out.append(full[: lo.shape[0]])
-            elif jnp.issubdtype(x.dtype, jnp.floating):
-                out.append(x.astype(compute))
-            else:
-                out.append(x)
-        return out
 
     def apply_fn(
         step: jax.Array | None, weight_ref: Any, variables: Any, *args: Any, **kwargs: Any
@@ -236,7 +111,7 @@ def make_island_apply(
         first = next((x for x in leaves if _is_batch_leaf(x)), None)
         batch = None if first is None else first.shape[0]
         batch_idx = [i for i, x in enumerate(leaves) if _is_batch_leaf(x) and x.shape[0] == batch]
-        rep_idx = [i for i, x in enumerate(leaves) if _is_array(x) and i not in batch_idx]
+        rep_idx = [i for i, x in enumerate(leaves) if is_array(x) and i not in batch_idx]
         static = {i: x for i, x in enumerate(leaves) if i not in batch_idx and i not in rep_idx}
         other_leaves, other_def = jax.tree_util.tree_flatten(others)
         rng_leaves, rng_def = jax.tree_util.tree_flatten(rngs)
@@ -263,8 +138,22 @@ def make_island_apply(
                 # cross-node all-reduce, and gradients counted num_nodes times).
                 refs = [jax.lax.pcast(r, "node", to="varying") for r in refs]
 
-            def run(p, refs, res, batch, rep, oth, keys, steps):
-                full = materialize(p, refs, res, res_at, steps[0] if steps else None)
+            step = steps[0] if steps else None
+            gathers = LeafGathers(
+                layouts=leaf_layouts,
+                names=names,
+                spec=spec,
+                num_devices=mesh.size,
+                layered=not delta_on and config.error_feedback is None,
+                keys=tuple(
+                    rounding_key(config, step, i) if step is not None and lo.sharded else None
+                    for i, lo in enumerate(leaf_layouts)
+                ),
+                refs=_per_leaf(refs, [lo.sharded and delta_on for lo in leaf_layouts]),
+                res=_residuals_per_leaf(res, res_at, leaf_layouts),
+            )
+
+            def model(weights, batch, rep, oth, keys):
                 merged = dict(static)
                 merged.update(zip(batch_idx, batch, strict=True))
                 merged.update(zip(rep_idx, rep, strict=True))
@@ -276,10 +165,20 @@ def make_island_apply(
                     keys = [jax.random.fold_in(k, idx) for k in keys]
                     kw = dict(kw, rngs=jax.tree_util.tree_unflatten(rng_def, keys))
                 v = dict(jax.tree_util.tree_unflatten(other_def, oth))
-                v["params"] = jax.tree_util.tree_unflatten(treedef, full)
+                v["params"] = jax.tree_util.tree_unflatten(treedef, weights)
                 return model_apply(v, *a, **kw)
 
-            return jax.checkpoint(run, policy=policy)(p, refs, res, batch, rep, oth, keys, steps)
+            weights_in: list[Any] = []
+            for x, lo in zip(p, leaf_layouts, strict=True):
+                if lo.sharded:
+                    weights_in.append(jax.typeof(x).update(shape=lo.shape, dtype=compute))
+                elif jnp.issubdtype(x.dtype, jnp.floating):
+                    weights_in.append(x.astype(compute))
+                else:
+                    weights_in.append(x)
+            return placement.run_placed(
+                model, weights_in, p, (batch, rep, oth, keys), gathers, config.prefetch
+            )
 
         island = jax.shard_map(
             body,
@@ -336,67 +235,93 @@ class IslandApply:
         return self.fn(self.step, self.weight_ref, variables, *args, **kwargs)
 
 
-# ----------------------------------------------------------------------------- weight delta
 
 
-def _reference_map(
-    body: Callable[..., list[jax.Array]],
-    mesh: Mesh,
+def _per_leaf(values: list[Any], present: list[bool]) -> tuple[Any, ...]:
+    it = iter(values)
+    return tuple(next(it) if on else None for on in present)
+
+
+def _residuals_per_leaf(
+    res: tuple[list[jax.Array], list[jax.Array]],
+    res_at: tuple[tuple[bool, bool], ...],
     leaf_layouts: tuple[part.LeafLayout, ...],
-    params: Any,
-    refs: tuple[jax.Array | None, ...] | None,
-) -> tuple[jax.Array | None, ...]:
-    """Runs `body(shards[, refs])` over the sharded leaves in a shard_map island; the
-    result has one entry per leaf (None for a leaf that is not sharded)."""
-    leaves = jax.tree_util.tree_leaves(params)
-    idx = [i for i, lo in enumerate(leaf_layouts) if lo.sharded]
-    args: list[Any] = [[leaves[i] for i in idx]]
-    in_specs: list[Any] = [[part.PARAM_SPEC] * len(idx)]
-    if refs is not None:
-        args.append([refs[i] for i in idx])
-        in_specs.append([part.REFERENCE_SPEC] * len(idx))
-    island = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=tuple(in_specs),
-        out_specs=[part.REFERENCE_SPEC] * len(idx),
-        # A gather over `node` is node-invariant, which the varying-axes check cannot see.
-        check_vma=False,
-    )
-    with jax.named_scope("zeropp_weight_delta"):
-        out = jax.jit(island)(*args)
-    result: list[jax.Array | None] = [None] * len(leaf_layouts)
-    for i, r in zip(idx, out, strict=True):
-        result[i] = r
-    return tuple(result)
+) -> tuple[weight_gather.Residuals, ...]:
+    r1, r2 = iter(res[0]), iter(res[1])
+    out: list[weight_gather.Residuals] = []
+    for i, lo in enumerate(leaf_layouts):
+        has1, has2 = res_at[i] if res_at and lo.sharded else (False, False)
+        if has1 or has2:
+            out.append((next(r1) if has1 else None, next(r2) if has2 else None))
+        else:
+            out.append(())
+    return tuple(out)
 
 
-def full_weight_references(
-    params: Any, config: ZeroPPConfig, mesh: Mesh, leaf_layouts: tuple[part.LeafLayout, ...]
-) -> tuple[jax.Array | None, ...]:
-    """The weight-delta references built by one full `config.weight_bits` gather across
-    nodes (at `TrainState.create` and after a restore; see `zeropp_jax.delta`)."""
-    codec = resolve_codec(config)
-    kw = dict(bits=config.weight_bits, block_size=config.weight_block_size, codec=codec)
+@dataclasses.dataclass(frozen=True)
+class LeafGathers:
+    """The `placement.Gathers` of one island: how each sharded leaf is gathered and how its
+    gradient is reduced. Pieces are per device, flattened (see `partition`).
 
-    def body(shards):
-        return [D.full_reference(x, dtype=jnp.dtype(config.compute_dtype), **kw) for x in shards]
+    Attributes:
+      layouts: per parameter leaf.
+      names: per parameter leaf, its path (for warnings).
+      spec: the gather spec of the config.
+      num_devices: devices of the mesh.
+      layered: whether scans may gather per layer (not with weight deltas or error
+        feedback, whose references and residuals are kept per leaf).
+      keys: per leaf, its stochastic-rounding key or None (traced).
+      refs: per leaf, its weight-delta reference or None (traced).
+      res: per leaf, its error-feedback residuals or `()` (traced).
+    """
 
-    return _reference_map(body, mesh, leaf_layouts, params, None)
+    layouts: tuple[part.LeafLayout, ...]
+    names: tuple[str, ...]
+    spec: weight_gather.GatherSpec
+    num_devices: int
+    layered: bool
+    keys: tuple[Any, ...]
+    refs: tuple[Any, ...]
+    res: tuple[Any, ...]
 
+    def layout(self, leaf: int) -> part.LeafLayout:
+        return self.layouts[leaf]
 
-def advance_weight_references(
-    params: Any,
-    refs: tuple[jax.Array | None, ...],
-    config: ZeroPPConfig,
-    mesh: Mesh,
-    leaf_layouts: tuple[part.LeafLayout, ...],
-) -> tuple[jax.Array | None, ...]:
-    """The references after one delta gather of `params` (the new master parameters)."""
-    codec = resolve_codec(config)
-    kw = dict(bits=config.weight_delta_bits, block_size=config.weight_block_size, codec=codec)
+    def name(self, leaf: int) -> str:
+        return self.names[leaf]
 
-    def body(shards, old):
-        return [D.delta_all_gather(x, r, **kw) for x, r in zip(shards, old, strict=True)]
+    def fixed(self, leaf: int) -> Any:
+        return (self.keys[leaf], self.refs[leaf])
 
-    return _reference_map(body, mesh, leaf_layouts, params, refs)
+    def residuals(self, leaf: int) -> Any:
+        return self.res[leaf]
+
+    def wire(self, leaf: int, piece: jax.Array, fixed: Any) -> tuple[jax.Array, ...]:
+        ref = fixed[1]
+        if ref is None:
+            return weight_gather.secondary_wire(piece, self.spec)
+        return weight_gather.reference_wire(piece, ref, self.spec)[0]
+
+    def gather(
+        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, alternate: bool
+    ) -> jax.Array:
+        spec = self.spec
+        if fixed[1] is not None:
+            spec = dataclasses.replace(spec, weight_local_bits=weight_gather.local_bits(spec))
+        return weight_gather.gather_from(piece, wire, spec, alternate_form=alternate)
+
+    def reduce(
+        self, leaf: int, g: jax.Array, fixed: Any, residuals: Any, layer: jax.Array | None
+    ) -> tuple[jax.Array, Any]:
+        key = fixed[0]
+        if key is not None and layer is not None:
+            key = jax.random.fold_in(key, layer)
+        return weight_gather.reduce_gradient(g, self.spec, key, residuals or ())
+
+    def whole(self, leaf: int, piece: jax.Array, fixed: Any, residuals: Any) -> jax.Array:
+        key, ref = fixed
+        if ref is None:
+            return weight_gather.gather_weight(piece, self.spec, key, residuals or ())
+        return weight_gather.gather_weight_from_reference(
+            piece, ref, self.spec, key, residuals or ()
+        )

@@ -1,9 +1,21 @@
 """Partition layout: how each parameter leaf is padded and sharded over the mesh.
 
-A float leaf of shape `(d0, ...)` is cast to float32 (the master copy), padded with zero
-rows to `ceil(d0 / N) * N` and sharded along axis 0 with `PartitionSpec(('local', 'node'))`
-(see `collectives` for why that order). Padding rows stay exactly zero: their gradient is
-zero, and so is every optimizer update of a zero parameter with a zero gradient. Float
+A float leaf is cast to float32 (the master copy) and sharded over all `N` devices with
+`('local', 'node')` (see `collectives` for why that order):
+
+- a leaf of rank >= 2, `(d0, d1, ...)`, keeps axis 0 whole and is stored as `(d0, C)`: each
+  row flattened (`d1 * d2 * ...` values) and zero-padded to `C = ceil(d1 * ... / N) * N`,
+  sharded along axis 1 (`PartitionSpec(None, ('local', 'node'))`). A scan over a stacked
+  leaf `(layers, ...)` slices axis 0, so each layer's slice is sharded and padded on its
+  own, and the layer axis is never split or padded. An unstacked matrix pays the same
+  way: its rows are padded to a multiple of `N` values.
+- a leaf of rank 1, `(d0,)`, is zero-padded to `C = ceil(d0 / N) * N` and sharded along
+  axis 0 (`PartitionSpec(('local', 'node'))`).
+
+Each device's shard, flattened (`(d0 * C / N,)` values, row by row), is the *piece* the
+collectives gather and reduce; a gathered leaf, `(N * d0 * C / N,)` in device order, is
+turned back into the original shape by `unpiece`. Padding stays exactly zero: its gradient
+is zero, and so is every optimizer update of a zero parameter with a zero gradient. Float
 scalars and non-float leaves (counters, int tables) are replicated and never quantized.
 """
 
@@ -20,13 +32,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 PARAM_SPEC = P(("local", "node"))
-"""Spec of a sharded parameter (and of its optimizer state)."""
+"""Spec of a sharded rank-1 parameter (and of its optimizer state)."""
+ROW_PARAM_SPEC = P(None, ("local", "node"))
+"""Spec of a sharded parameter of rank >= 2, stored `(d0, C)` (and of its optimizer state)."""
 BATCH_SPEC = P(("node", "local"))
 """Spec of a batch: leading dimension over all devices in node-major order."""
 REPLICATED = P()
 REFERENCE_SPEC = P("local")
-"""Spec of a weight-delta reference (`zeropp_jax.delta`): padded parameter shape, each
-local rank's secondary shard, the same on every node."""
+"""Spec of a weight-delta reference (`zeropp_jax.delta`): the padded parameter as pieces,
+`(padded_size,)`, each local rank's secondary shard, the same on every node."""
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -40,17 +54,48 @@ class LeafLayout:
       dtype: original dtype name.
       sharded: True for float leaves with at least one dimension (sharded float32 master
         copy); False for replicated leaves.
-      padded_rows: leading dimension after padding (equal to `shape[0]` if not sharded).
+      padded_cols: `C`, the values per row after padding (rank >= 2: the flattened
+        trailing axes; rank 1: the whole leaf); 0 if not sharded.
     """
 
     shape: tuple[int, ...]
     dtype: str
     sharded: bool
-    padded_rows: int
+    padded_cols: int
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def lead(self) -> int:
+        """Rows kept whole: `shape[0]` for rank >= 2 (the layer axis of a stacked leaf), 1
+        for rank 1."""
+        return self.shape[0] if len(self.shape) >= 2 else 1
+
+    @property
+    def cols(self) -> int:
+        """Values per row before padding."""
+        return math.prod(self.shape[1:]) if len(self.shape) >= 2 else math.prod(self.shape)
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """Global shape of the stored (padded) leaf."""
+        if not self.sharded:
+            return self.shape
+        if len(self.shape) >= 2:
+            return (self.lead, self.padded_cols)
+        return (self.padded_cols,)
+
+    @property
+    def padded_size(self) -> int:
+        """Values of the stored leaf (every device's piece together)."""
+        return self.lead * self.padded_cols if self.sharded else self.size
+
+    @property
+    def stacked(self) -> bool:
+        """Whether axis 0 can be scanned over with each slice sharded (rank >= 2)."""
+        return self.sharded and len(self.shape) >= 2
 
 
 def leaf_layout(path: str, x: Any, num_devices: int) -> LeafLayout:
@@ -74,9 +119,15 @@ def leaf_layout(path: str, x: Any, num_devices: int) -> LeafLayout:
         )
     shape = tuple(int(d) for d in x.shape)
     sharded = bool(is_float and len(shape) >= 1 and math.prod(shape) > 0)
-    rows = shape[0] if shape else 0
-    padded = -(-rows // num_devices) * num_devices if sharded else rows
-    return LeafLayout(shape, dtype.name, sharded, padded)
+    return with_devices(LeafLayout(shape, dtype.name, sharded, 0), num_devices)
+
+
+def with_devices(layout: LeafLayout, num_devices: int) -> LeafLayout:
+    """The layout of the same leaf padded for `num_devices` devices."""
+    if not layout.sharded:
+        return layout
+    padded = -(-layout.cols // num_devices) * num_devices
+    return dataclasses.replace(layout, padded_cols=padded)
 
 
 def param_layouts(params: Any, num_devices: int) -> Any:
@@ -90,27 +141,72 @@ def is_layout(x: Any) -> bool:
     return isinstance(x, LeafLayout)
 
 
+def _rows(x: jax.Array, layout: LeafLayout) -> jax.Array:
+    """`x` (original shape) as `(lead, cols)`."""
+    return jnp.reshape(x, (layout.lead, layout.cols))
+
+
 def to_master(x: jax.Array, layout: LeafLayout) -> jax.Array:
     """Original leaf -> stored leaf (float32, padded) for sharded leaves; as-is otherwise."""
     if not layout.sharded:
         return jnp.asarray(x)
-    x = jnp.asarray(x, jnp.float32)
-    pad = layout.padded_rows - layout.shape[0]
-    if pad:
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return x
+    x = _rows(jnp.asarray(x, jnp.float32), layout)
+    return resize_cols(x, layout.padded_cols).reshape(layout.stored_shape)
 
 
 def from_master(x: jax.Array, layout: LeafLayout, dtype: Any = None) -> jax.Array:
-    """Stored (or gathered full, padded) leaf -> original shape, in `dtype` (default: the
-    original dtype)."""
+    """Stored leaf -> original shape, in `dtype` (default: the original dtype)."""
     if layout.sharded:
-        x = x[: layout.shape[0]]
+        x = x.reshape(layout.lead, layout.padded_cols)[:, : layout.cols].reshape(layout.shape)
     return x.astype(layout.dtype if dtype is None else dtype)
 
 
+def resize_cols(x: jax.Array, cols: int) -> jax.Array:
+    """Crops or zero-pads the last axis of `x` to `cols` (padding for another mesh)."""
+    have = x.shape[-1]
+    if have >= cols:
+        return x[..., :cols]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, cols - have)])
+
+
+def unpiece(full: jax.Array, layout: LeafLayout, num_devices: int, layer: bool = False) -> jax.Array:
+    """A gathered leaf in piece order -> its original shape (per device, inside shard_map).
+
+    Args:
+      full: `(num_devices * piece,)`, every device's piece in partition order (what the
+        collectives return for a flattened shard).
+      layout: the leaf's layout.
+      num_devices: devices the leaf is sharded over.
+      layer: `full` is one slice along axis 0 (a scan's layer) rather than the whole leaf.
+
+    Returns:
+      The leaf in its original shape (`layout.shape[1:]` for a layer).
+    """
+    lead = 1 if layer else layout.lead
+    x = full.reshape(num_devices, lead, layout.padded_cols // num_devices)
+    x = jnp.swapaxes(x, 0, 1).reshape(lead, layout.padded_cols)[:, : layout.cols]
+    return x.reshape(layout.shape[1:] if layer else layout.shape)
+
+
+def pieces_to_stored(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
+    """`(padded_size,)` in piece order (a reference, a missing mass) -> the stored shape."""
+    c = layout.padded_cols // num_devices
+    x = x.reshape(num_devices, layout.lead, c)
+    return jnp.swapaxes(x, 0, 1).reshape(layout.stored_shape)
+
+
+def stored_to_pieces(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
+    """Inverse of `pieces_to_stored`."""
+    c = layout.padded_cols // num_devices
+    x = x.reshape(layout.lead, num_devices, c)
+    return jnp.swapaxes(x, 0, 1).reshape(-1)
+
+
 def leaf_spec(layout: LeafLayout) -> P:
-    return PARAM_SPEC if layout.sharded else REPLICATED
+    """The `PartitionSpec` of a stored leaf."""
+    if not layout.sharded:
+        return REPLICATED
+    return ROW_PARAM_SPEC if len(layout.shape) >= 2 else PARAM_SPEC
 
 
 def param_shardings(layouts: Any, mesh: Mesh) -> Any:

@@ -400,9 +400,9 @@ def dequantize_sum_quantize_blocks(
 class Codec(NamedTuple):
     """One implementation of the four block operations the collectives need.
 
-    `XLA_CODEC` is the plain-jnp reference in this module; `pallas_kernels` provides the
-    same four functions as Pallas kernels. The engine picks one, explicitly, from
-    `ZeroPPConfig.kernels`.
+    `XLA_CODEC` is the plain-jnp reference in this module; `kernels.pallas_codec` bundles
+    the same four functions as Pallas kernels (from `pallas_kernels`). The engine picks one,
+    explicitly, from `ZeroPPConfig.kernels`.
     """
 
     quantize_blocks: Callable[..., tuple[jax.Array, jax.Array]]

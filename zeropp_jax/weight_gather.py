@@ -104,23 +104,37 @@ def gather_weight(
       `(N * rows, ...)` in `spec.dtype`. The cotangent of `x` is the float32 sum over all
       devices of their gradients for this device's piece.
     """
-    wire: tuple[jax.Array, ...] = ()
-    if spec.hierarchical:
-        xc = lax.stop_gradient(x).astype(spec.dtype)
-        wire = secondary_gather(
-            xc, bits=spec.weight_bits, block_size=spec.weight_block_size, codec=spec.codec
-        )
-        wire = requantize_secondary(
-            wire,
-            x.shape,
-            spec.dtype,
-            bits=spec.weight_bits,
-            local_bits=spec.weight_local_bits,
-            block_size=spec.weight_block_size,
-            codec=spec.codec,
-        )
-        wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
-    return _gather_full(x, wire, key, residuals, spec)
+    return _gather_full(x, secondary_wire(x, spec), key, residuals, spec)
+
+
+def secondary_wire(x: jax.Array, spec: GatherSpec) -> tuple[jax.Array, ...]:
+    """Stage 1 of the hpZ gather (over `node`), in the wire form stage 2 gathers; `()` for
+    the flat ZeRO-3 gather. Not differentiated; named `SECONDARY_NAME`.
+
+    Args:
+      x: per-device float32 master shard `(rows, ...)`.
+      spec: what to send.
+
+    Returns:
+      The secondary shard as `secondary_gather` gives it (re-quantized for stage 2 when
+      `spec.weight_local_bits` asks for it), or `()`.
+    """
+    if not spec.hierarchical:
+        return ()
+    xc = lax.stop_gradient(x).astype(spec.dtype)
+    wire = secondary_gather(
+        xc, bits=spec.weight_bits, block_size=spec.weight_block_size, codec=spec.codec
+    )
+    wire = requantize_secondary(
+        wire,
+        x.shape,
+        spec.dtype,
+        bits=spec.weight_bits,
+        local_bits=spec.weight_local_bits,
+        block_size=spec.weight_block_size,
+        codec=spec.codec,
+    )
+    return tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
 
 
 def gather_weight_from_reference(
@@ -147,9 +161,19 @@ def gather_weight_from_reference(
     Returns:
       `(N * rows, ...)` in `spec.dtype`.
     """
+    wire, spec = reference_wire(x, reference, spec)
+    return _gather_full(x, wire, key, residuals, spec)
+
+
+def reference_wire(
+    x: jax.Array, reference: jax.Array, spec: GatherSpec
+) -> tuple[tuple[jax.Array, ...], GatherSpec]:
+    """The weight-delta reference in the wire form of stage 2, and the spec stage 2 runs
+    with (its format resolved); no communication. Shapes as for
+    `gather_weight_from_reference`."""
     if not spec.hierarchical:
         raise ValueError("gather_weight_from_reference needs GatherSpec.hierarchical=True.")
-    stage2 = _local_bits(spec)
+    stage2 = local_bits(spec)
     ref = lax.stop_gradient(reference).astype(spec.dtype)
     wire = requantize_secondary(
         (to_wire(ref),),
@@ -161,23 +185,25 @@ def gather_weight_from_reference(
         codec=spec.codec,
     )
     wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
-    spec = dataclasses.replace(spec, weight_local_bits=stage2)
-    return _gather_full(x, wire, key, residuals, spec)
+    return wire, dataclasses.replace(spec, weight_local_bits=stage2)
 
 
-def _local_bits(spec: GatherSpec) -> Format | None:
+def local_bits(spec: GatherSpec) -> Format | None:
     return spec.weight_bits if spec.weight_local_bits == "same" else spec.weight_local_bits
 
 
-def _gather_from(
-    x: jax.Array, wire: tuple[jax.Array, ...], spec: GatherSpec, alternate_form: bool
+def gather_from(
+    x: jax.Array, wire: tuple[jax.Array, ...], spec: GatherSpec, alternate_form: bool = False
 ) -> jax.Array:
+    """The full weight `(N * rows, ...)` in `spec.dtype` from the shard `x` (flat ZeRO-3
+    gather) or from the secondary `wire` (hpZ stage 2, over `local` only). Not
+    differentiable; `alternate_form` as in `collectives.gather_from_secondary`."""
     if spec.hierarchical:
         return gather_from_secondary(
             wire,
             x.shape,
             spec.dtype,
-            bits=_local_bits(spec),
+            bits=local_bits(spec),
             codec=spec.codec,
             alternate_form=alternate_form,
         )
@@ -200,7 +226,7 @@ def _gather_full(
 ) -> jax.Array:
     """The full weight from the shard `x` (flat) or from the secondary `wire` (hpZ); `key`
     and `residuals` only feed the backward rule (stochastic rounding, error feedback)."""
-    return _gather_from(x, wire, spec, alternate_form=False)
+    return gather_from(x, wire, spec, alternate_form=False)
 
 
 def _gather_full_fwd(
@@ -214,7 +240,7 @@ def _gather_full_fwd(
     # is what makes `optimize_remat` pick this rule for the recompute: JAX replaces a
     # `fwd` whose residuals are unused by the primal function, which is what happens in
     # the forward pass, where the policy saves no residual of this call.
-    full = _gather_from(x, wire, spec, alternate_form=True)
+    full = gather_from(x, wire, spec, alternate_form=True)
     return full, (jnp.array(-0.0, jnp.float32), key, residuals)
 
 
@@ -222,6 +248,25 @@ def _gather_full_bwd(
     spec: GatherSpec, res: tuple[jax.Array, jax.Array | None, Residuals], g: jax.Array
 ) -> tuple[jax.Array, None, None, Residuals]:
     negative_zero, key, residuals = res
+    dx, new_residuals = reduce_gradient(g, spec, key, residuals)
+    return dx + negative_zero, None, None, new_residuals
+
+
+def reduce_gradient(
+    g: jax.Array, spec: GatherSpec, key: jax.Array | None = None, residuals: Residuals = ()
+) -> tuple[jax.Array, Residuals]:
+    """The gradient reduction of a gathered weight (qgZ two-hop, or ZeRO-3's flat one).
+
+    Args:
+      g: per-device full-size gradient `(N * rows, ...)`, in partition order.
+      spec: what to send.
+      key: stochastic-rounding key (the same on every device) or None.
+      residuals: as for `gather_weight`.
+
+    Returns:
+      `(dx, new_residuals)`: the float32 sum over all devices for this device's `(rows,
+      ...)`, and the new error-feedback residuals (`()` without them).
+    """
     kw = dict(bits=spec.grad_bits, block_size=spec.grad_block_size, codec=spec.codec)
     new_residuals: Residuals = ()
     if not spec.two_hop:
@@ -238,7 +283,7 @@ def _gather_full_bwd(
             new_residuals = (r1, r2)
         else:
             dx = two_hop_reduce_scatter(g, **kw)
-    return dx + negative_zero, None, None, new_residuals
+    return dx, new_residuals
 
 
 _gather_full.defvjp(_gather_full_fwd, _gather_full_bwd, optimize_remat=True)
