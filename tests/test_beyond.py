@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
+from zeropp_jax import choices, make_mesh
 from zeropp_jax import collectives as C
-from zeropp_jax import island, make_mesh
 from zeropp_jax import quant as Q
 
 SCALE_ROUNDING = 1 + 2.0**-15  # scales are rounded up to 16 significant bits
@@ -97,13 +97,13 @@ def test_config_resolves_per_hop_formats():
     # Hop 2 alone quantized is still quantized (not ZeRO-3), and SR is allowed there.
     hop2 = zpp.ZeroPPConfig.zero3(grad_node_bits=4, stochastic_rounding=True)
     assert not hop2.is_zero3
-    assert island.gather_spec(hop2, Q.XLA_CODEC).two_hop
+    assert choices.gather_spec(hop2, Q.XLA_CODEC).two_hop
 
 
 def test_pallas_kernels_refuse_e4m3():
     cfg = zpp.ZeroPPConfig(grad_node_bits="e4m3", kernels="pallas_interpret")
     with pytest.raises(ValueError, match="e4m3"):
-        island.resolve_codec(cfg)
+        choices.resolve_codec(cfg)
 
 
 # ----------------------------------------------------------------------------- e4m3
@@ -343,7 +343,7 @@ def test_engine_stochastic_rounding_reproducible_and_keyed_by_step():
     assert int(a.step) == int(a.apply_fn.step) == 2
     assert int(a.replace(step=jnp.array(7)).apply_fn.step) == 7
     # Keys: a pure function of (seed, step, leaf).
-    k = lambda s, i: jax.random.key_data(island.rounding_key(SR, jnp.array(s), i))  # noqa: E731
+    k = lambda s, i: jax.random.key_data(choices.rounding_key(SR, jnp.array(s), i))  # noqa: E731
     np.testing.assert_array_equal(k(3, 1), k(3, 1))
     assert not np.array_equal(k(3, 1), k(4, 1)) and not np.array_equal(k(3, 1), k(3, 2))
 

@@ -9,6 +9,7 @@ import pytest
 from test_engine import TX, Net, data, train_step
 
 import zeropp_jax as zpp
+from zeropp_jax import partition as part
 
 CONFIG = zpp.ZeroPPConfig()
 
@@ -33,13 +34,13 @@ def run(state, steps, start=0):
 
 
 def logical(state):
-    """Parameters and Adam moments without padding rows, as numpy."""
+    """Parameters and Adam moments without padding, in their original shapes, as numpy."""
     treedef, layouts = state.layouts
 
     def unpad(tree):
         leaves = jax.tree_util.tree_leaves(tree)
         return [
-            np.asarray(x)[: lo.shape[0]] if lo.sharded else np.asarray(x)
+            np.asarray(part.from_master(x, lo, np.float32)) if lo.sharded else np.asarray(x)
             for x, lo in zip(leaves, layouts, strict=True)
         ]
 

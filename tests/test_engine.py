@@ -289,9 +289,10 @@ def test_non_batch_array_arguments_are_replicated():
 
 def test_shard_takes_mesh_and_config_from_the_state():
     """`zpp.shard(train_step)` without mesh= or config= runs the same program as with them:
-    loss and parameters equal bit for bit over two steps."""
+    loss and parameters equal bit for bit over two steps (with a config other than the
+    default, which the step must take from the state)."""
     mesh = zpp.make_mesh(2, 4)
-    config = zpp.ZeroPPConfig()
+    config = zpp.ZeroPPConfig(**EXACT)
     model = nn.Dense(3)
     batches = [data(i) for i in range(2)]
     params = model.init(jax.random.key(0), batches[0]["x"])["params"]
@@ -304,11 +305,12 @@ def test_shard_takes_mesh_and_config_from_the_state():
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
+    start = zpp.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(1e-2), mesh=mesh, config=config
+    )
+
     def run(step):
-        state = zpp.TrainState.create(
-            apply_fn=model.apply, params=params, tx=optax.adam(1e-2), mesh=mesh, config=config
-        )
-        losses = []
+        state, losses = start, []
         for b in batches:
             state, m = step(state, b)
             losses.append(np.asarray(m["loss"]))
@@ -322,8 +324,8 @@ def test_shard_takes_mesh_and_config_from_the_state():
 
 
 def test_shard_compiles_per_mesh_and_config():
-    """One step without checks serves states of different meshes and configs, each with
-    its own compiled program."""
+    """One step without checks serves states of different meshes and configs, each run
+    on its own mesh."""
     model = nn.Dense(3)
     x = data()["x"]
     params = model.init(jax.random.key(0), x)["params"]
@@ -351,8 +353,13 @@ def test_shard_compiles_per_mesh_and_config():
         np.testing.assert_allclose(np.asarray(m["out"]), ref, rtol=1e-6)
 
 
-def test_shard_checks_mesh_and_config_when_given(setup):
-    mesh, config, state, batch, params = setup
+def test_shard_checks_mesh_and_config_when_given():
+    batch = data()
+    model = nn.Dense(3)
+    params = model.init(jax.random.key(0), batch["x"])["params"]
+    state = zpp.TrainState.create(
+        apply_fn=model.apply, params=params, tx=TX, mesh=zpp.make_mesh(2, 4)
+    )
     other_mesh = zpp.make_mesh(1, 8)
     with pytest.raises(
         ValueError,
@@ -366,7 +373,7 @@ def test_shard_checks_mesh_and_config_when_given(setup):
         r"leave out zpp.shard's config=",
     ):
         zpp.shard(train_step, config=zpp.ZeroPPConfig.zero3())(state, batch)
-    plain = train_state.TrainState.create(apply_fn=Net().apply, params=params, tx=TX)
+    plain = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=TX)
     with pytest.raises(
         ValueError,
         match=r"expected a zeropp_jax.TrainState, got flax.training.train_state.TrainState; "

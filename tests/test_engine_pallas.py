@@ -16,13 +16,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from test_engine import train_step
 
-import pallas_kernels
 import zeropp_jax as zpp
+from zeropp_jax import choices, kernels
 from zeropp_jax import collectives as C
-from zeropp_jax import island
 from zeropp_jax.quant import XLA_CODEC
 
-PALLAS = pallas_kernels.codec(interpret=True)
+PALLAS = kernels.pallas_codec(interpret=True)
 
 
 class Tiny(nn.Module):
@@ -83,7 +82,7 @@ def test_compiled_pallas_kernels_need_a_gpu():
     config = zpp.ZeroPPConfig(kernels="pallas")
     message = "kernels='pallas' needs a GPU, but the backend is 'cpu'"
     with pytest.raises(ValueError, match=message):
-        island.resolve_codec(config)
+        choices.resolve_codec(config)
     with pytest.raises(ValueError, match=message):
         zpp.TrainState.create(
             apply_fn=Tiny().apply,
@@ -92,11 +91,11 @@ def test_compiled_pallas_kernels_need_a_gpu():
             mesh=zpp.make_mesh(2, 4),
             config=config,
         )
-    assert island.resolve_codec(config.replace(kernels="pallas_interpret")) is PALLAS
-    assert island.resolve_codec(config.replace(kernels="pallas"), platform="gpu") is (
-        pallas_kernels.codec(interpret=False)
+    assert choices.resolve_codec(config.replace(kernels="pallas_interpret")) is PALLAS
+    assert choices.resolve_codec(config.replace(kernels="pallas"), platform="gpu") is (
+        kernels.pallas_codec(interpret=False)
     )
-    assert island.resolve_codec(config.replace(kernels="auto")) is XLA_CODEC
+    assert choices.resolve_codec(config.replace(kernels="auto")) is XLA_CODEC
 
 
 def _collectives(codec):

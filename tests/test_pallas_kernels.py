@@ -1,4 +1,5 @@
-"""The Pallas kernels against the jnp reference in `zeropp_jax.quant`, bit for bit.
+"""The Pallas kernels, and the whole-array functions on them, against the jnp reference in
+`zeropp_jax.quant`, bit for bit.
 
 Kernels run with `interpret=True` on tiny inputs. Every input mixes normal and heavy-tailed
 blocks, an all-zero block, a -0.0 block, NaN and +-Inf blocks, a block of exact rounding
@@ -8,6 +9,7 @@ tile, and every output starts poisoned (NaN / -128 / 255) so a missed write show
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -31,6 +33,14 @@ _quantize_ref = jax.jit(quant.quantize_blocks, static_argnames="bits")
 _dequantize_ref = jax.jit(quant.dequantize_blocks, static_argnames=("bits", "dtype"))
 _sum_ref = jax.jit(quant.dequantize_sum_blocks, static_argnames="bits")
 _fused_ref = jax.jit(quant.dequantize_sum_quantize_blocks, static_argnames=("bits", "out_bits"))
+_quantize_blockwise_ref = jax.jit(quant.quantize_blockwise, static_argnames=("bits", "block_size"))
+_dequantize_blockwise_ref = jax.jit(quant.dequantize_blockwise, static_argnames="dtype")
+_quantize_blockwise = jax.jit(
+    functools.partial(pk.quantize_blockwise, interpret=True), static_argnames=("bits", "block_size")
+)
+_dequantize_blockwise = jax.jit(
+    functools.partial(pk.dequantize_blockwise, interpret=True), static_argnames="dtype"
+)
 
 
 def _blocks(seed: int, block_size: int, bits: int, num_blocks: int = NUM_BLOCKS) -> jax.Array:
@@ -149,39 +159,6 @@ def test_dequantize_sum_blocks_any_group_count(groups, bits):
     _assert_bits_equal(got, quant.dequantize_sum_blocks(values, scales, bits=bits))
 
 
-def test_codec_bundles_the_kernels():
-    for interpret in (False, True):
-        c = pk.codec(interpret=interpret)
-        assert isinstance(c, quant.Codec) and c is pk.codec(interpret)
-        for f in c:
-            assert f.keywords == {"interpret": interpret}
-    assert [f.func for f in pk.codec()] == [
-        pk.quantize_blocks,
-        pk.dequantize_blocks,
-        pk.dequantize_sum_blocks,
-        pk.dequantize_sum_quantize_blocks,
-    ]
-    with pytest.raises(ValueError, match="interpret='yes'"):
-        pk.codec(interpret="yes")
-    # The interpreted codec through the call signatures the collectives use.
-    c = pk.codec(interpret=True)
-    x = _blocks(70, 8, 4)
-    v, s = c.quantize_blocks(x, bits=4)
-    rv, rs = _quantize_ref(x, bits=4)
-    _assert_bits_equal(v, rv)
-    _assert_bits_equal(s, rs)
-    _assert_bits_equal(
-        c.dequantize_blocks(v, s, bits=4, dtype=jnp.bfloat16),
-        _dequantize_ref(rv, rs, bits=4, dtype=jnp.bfloat16),
-    )
-    for g, w in zip(
-        c.dequantize_sum_quantize_blocks(v[None], s[None], bits=4, out_bits=8),
-        _fused_ref(rv[None], rs[None], bits=4, out_bits=8),
-        strict=True,
-    ):
-        _assert_bits_equal(g, w)
-
-
 FUSED = [(8, 8, 8), (8, 4, 64), (8, 2, 256), (4, 8, 256), (4, 4, 8), (4, 2, 64)]
 FUSED += [(2, 8, 64), (2, 4, 256), (2, 2, 8)]
 
@@ -262,6 +239,31 @@ def test_subnormal_and_huge_blocks():
             _assert_bits_equal(g, w)
 
 
+BLOCKWISE = [  # bits, block_size, shape (not a whole number of blocks), dtype, stochastic
+    (8, 8, (7, 15), jnp.float32, False),
+    (4, 16, (210,), jnp.bfloat16, False),
+    (2, 8, (3, 5, 7), jnp.float32, True),
+]
+
+
+@pytest.mark.parametrize("bits,block_size,shape,dtype,stochastic", BLOCKWISE)
+def test_quantize_and_dequantize_blockwise(bits, block_size, shape, dtype, stochastic):
+    """Equal to `quant.quantize_blockwise` / `dequantize_blockwise`, under `jit` (so the
+    `QuantizedArray` pytree keeps `bits`, `block_size` and `shape` static); each package's
+    `dequantize_blockwise` reads the other's `QuantizedArray`."""
+    size = int(np.prod(shape))
+    x = _blocks(80, block_size, bits).reshape(-1)[:size].reshape(shape).astype(dtype)
+    key = jax.random.key(9) if stochastic else None
+    got = _quantize_blockwise(x, bits=bits, block_size=block_size, key=key)
+    want = _quantize_blockwise_ref(x, bits=bits, block_size=block_size, key=key)
+    assert isinstance(got, pk.QuantizedArray)
+    assert (got.bits, got.block_size, got.shape) == (want.bits, want.block_size, want.shape)
+    assert got.size == want.size and got.nbytes == want.nbytes
+    _assert_bits_equal(got.values, want.values)
+    _assert_bits_equal(got.scales, want.scales)
+    _assert_bits_equal(_dequantize_blockwise(want, dtype), _dequantize_blockwise_ref(got, dtype))
+
+
 def test_empty_input():
     v, s = pk.quantize_blocks(jnp.zeros((0, 64)), bits=4, interpret=True)
     assert v.shape == (0, 32) and v.dtype == jnp.uint8 and s.shape == (0,)
@@ -276,6 +278,13 @@ def test_empty_input():
         (lambda: pk.quantize_blocks(jnp.zeros((4, 64), jnp.int32), bits=8), "float"),
         (lambda: pk.quantize_blocks(jnp.zeros((4, 6)), bits=2, interpret=True), "multiple of 4"),
         (lambda: pk.quantize_blocks(jnp.zeros((4, 24)), bits=8), "power of two"),
+        (
+            lambda: pk.quantize_blockwise(jnp.zeros(8), bits="e4m3", block_size=8),
+            "bits='e4m3'",
+        ),
+        (lambda: pk.quantize_blockwise(jnp.zeros(8), bits=8, block_size=8.0), "block_size=8.0"),
+        (lambda: pk.quantize_blockwise(jnp.zeros(8, jnp.int8), bits=8, block_size=8), "float"),
+        (lambda: pk.quantize_blockwise(jnp.zeros(96), bits=8, block_size=96), "power of two"),
         (
             lambda: pk.dequantize_blocks(
                 jnp.zeros((4, 32), jnp.int8), jnp.zeros((4,)), bits=4, interpret=True
@@ -318,3 +327,16 @@ def test_gpu_script_smoke():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "MISMATCH" not in proc.stdout and "copy" in proc.stdout, proc.stdout
+
+
+def test_imports_nothing_from_zeropp_jax():
+    """`pallas_kernels` is a leaf: jax and numpy only (`zeropp_jax.kernels` wraps it)."""
+    code = (
+        "import sys, pallas_kernels; print([m for m in sys.modules if m.startswith('zeropp_jax')])"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout

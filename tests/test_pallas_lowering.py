@@ -22,6 +22,7 @@ from test_engine_pallas import Tiny, batches
 import pallas_kernels as pk
 import zeropp_jax as zpp
 from zeropp_jax import island
+from zeropp_jax.kernels import pallas_codec
 from zeropp_jax.quant import XLA_CODEC
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -199,7 +200,8 @@ def test_compiled_kernels_refuse_block_sizes_that_are_not_powers_of_two():
         island.resolve_codec(config, platform="gpu")
     with pytest.raises(ValueError, match="weight_block_size=48"):  # "auto" is Pallas on GPU
         island.resolve_codec(zpp.ZeroPPConfig(weight_block_size=48), platform="gpu")
-    assert island.resolve_codec(config.replace(kernels="pallas_interpret")) is pk.codec(True)
+    interpreted = island.resolve_codec(config.replace(kernels="pallas_interpret"))
+    assert interpreted is pallas_codec(interpret=True)
     assert island.resolve_codec(config.replace(kernels="xla"), platform="gpu") is XLA_CODEC
 
 

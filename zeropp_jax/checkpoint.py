@@ -202,12 +202,6 @@ def _check_compatible(meta: dict[str, Any], target: TrainState) -> None:
         )
 
 
-def _resize_rows(x: jax.Array, rows: int) -> jax.Array:
-    if x.shape[0] >= rows:
-        return x[:rows]
-    return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-
-
 def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainState:
     """Restores the checkpoint at `path` onto `target`'s mesh and config.
 
@@ -242,14 +236,14 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     def abstract(shape, tgt):
         sharding = tgt.sharding
         if shape != tuple(tgt.shape):
-            # Rows padded for another device count: load sharded if they divide evenly
-            # over this mesh, else replicated (one transient full copy of that leaf).
-            if not (shape and len(shape) == tgt.ndim and shape[1:] == tuple(tgt.shape[1:])):
+            # Rows padded for another device count (the last axis): load sharded if they
+            # divide evenly over this mesh, else replicated (one transient full copy).
+            if not (shape and len(shape) == tgt.ndim and shape[:-1] == tuple(tgt.shape[:-1])):
                 raise ValueError(
                     f"checkpoint leaf of shape {shape} cannot be restored into a target leaf "
                     f"of shape {tuple(tgt.shape)}."
                 )
-            if shape[0] % mesh.size:
+            if shape[-1] % mesh.size:
                 sharding = replicated
         return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=sharding)
 
@@ -266,7 +260,9 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     def fit(x, tgt):
         if x.shape == tgt.shape:
             return x
-        return jax.jit(_resize_rows, static_argnums=1, out_shardings=tgt.sharding)(x, tgt.shape[0])
+        return jax.jit(part.resize_cols, static_argnums=1, out_shardings=tgt.sharding)(
+            x, tgt.shape[-1]
+        )
 
     residuals = _restored_residuals(loaded.pop("error_feedback", None), meta, target)
     loaded = jax.tree_util.tree_map(fit, loaded, want)
@@ -321,11 +317,6 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
         return jax.tree_util.tree_map(lambda a, b: jax.device_put(a, b.sharding), loaded, fresh)
     old_nn, old_ll = meta["mesh"]["node"], meta["mesh"]["local"]
     old_n = old_nn * old_ll
-    old_layouts = tuple(
-        part.LeafLayout(lo.shape, lo.dtype, lo.sharded, -(-lo.shape[0] // old_n) * old_n)
-        if lo.sharded
-        else lo
-        for lo in target.layouts[1]
-    )
+    old_layouts = tuple(part.with_devices(lo, old_n) for lo in target.layouts[1])
     mass = R.missing_mass(loaded, old_layouts, old_nn, old_ll)
     return R.respread(mass, target.layouts[1], target.config, target.mesh)

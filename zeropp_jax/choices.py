@@ -12,6 +12,7 @@ from zeropp_jax import weight_gather
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.quant import XLA_CODEC, Codec, is_float_format
 
+
 def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:
     """The block-quantization implementation `config.kernels` asks for.
 
@@ -42,7 +43,6 @@ def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:
             f"implement the integer formats only, but the config uses {fp8[0]!r}; use "
             "kernels='xla' for fp8 formats."
         )
-    import pallas_kernels
 
     if kind == "pallas" and platform != "gpu":
         raise ValueError(
@@ -62,7 +62,9 @@ def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:
                     f"kernels, which tile blocks in powers of two, but {field}={size}; use a "
                     "power of two (64, 128, 256, 512) or kernels='xla'."
                 )
-    return pallas_kernels.codec(interpret=kind == "pallas_interpret")
+    from zeropp_jax.kernels import pallas_codec
+
+    return pallas_codec(interpret=kind == "pallas_interpret")
 
 
 def gather_spec(config: ZeroPPConfig, codec: Codec) -> weight_gather.GatherSpec:
@@ -104,5 +106,3 @@ def remat_policy(config: ZeroPPConfig) -> Callable[..., bool]:
             cp.dots_saveable, cp.save_only_these_names(weight_gather.SECONDARY_NAME)
         )
     return cp.dots_saveable
-
-

@@ -25,8 +25,8 @@ from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.island import IslandApply, is_array, make_island_apply
-from zeropp_jax.references import advance_weight_references, full_weight_references
 from zeropp_jax.mesh import mesh_shape
+from zeropp_jax.references import advance_weight_references, full_weight_references
 
 # ----------------------------------------------------------------------------- state
 

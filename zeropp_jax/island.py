@@ -22,12 +22,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zeropp_jax import partition as part
-from zeropp_jax import placement
+from zeropp_jax import placement, weight_gather
 from zeropp_jax import residuals as R
-from zeropp_jax import weight_gather
 from zeropp_jax.choices import gather_spec, resolve_codec, rounding_key
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.quant import XLA_CODEC
+
 
 def _is_batch_leaf(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray) and x.ndim >= 1
@@ -233,8 +233,6 @@ class IslandApply:
 
     def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
         return self.fn(self.step, self.weight_ref, variables, *args, **kwargs)
-
-
 
 
 def _per_leaf(values: list[Any], present: list[bool]) -> tuple[Any, ...]:

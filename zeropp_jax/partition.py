@@ -169,7 +169,9 @@ def resize_cols(x: jax.Array, cols: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, cols - have)])
 
 
-def unpiece(full: jax.Array, layout: LeafLayout, num_devices: int, layer: bool = False) -> jax.Array:
+def unpiece(
+    full: jax.Array, layout: LeafLayout, num_devices: int, layer: bool = False
+) -> jax.Array:
     """A gathered leaf in piece order -> its original shape (per device, inside shard_map).
 
     Args:

@@ -22,8 +22,8 @@ value (its per-device shard, not yet gathered):
   reversed scan, a weight among its constants or carry, a layer axis other than 0), is
   gathered whole at that point, with a warning naming the leaf.
 
-Order comes from data dependencies, not from the scheduler: `lax.optimization_barrier` ties
-each gather's input shard to an activation (the previous weight use's input, so the gather
+Order comes from data dependencies, not from the scheduler: `_barrier` ties each gather's
+input shard to an activation (the previous weight use's input, so the gather
 runs one use ahead; in the backward, the cotangent reaching that use).
 
 Shapes: a `Lazy` holds the per-device stored shard (see `partition`); the collectives see
@@ -123,11 +123,21 @@ class Context:
 
 
 def _barrier(tie: Any, x: Any) -> Any:
-    """`x`, available only once `tie` is (None: `x` as it is)."""
-    if tie is None:
+    """`x`, computed from `tie`: a data dependency that makes every array of `x` wait for
+    the array `tie` (None: `x` as it is).
+
+    XLA's CPU pipeline removes `lax.optimization_barrier` before scheduling, so the tie is
+    a real one: `-0.0` derived from one element of `tie` (also when it is NaN or
+    infinite), cast to each array's dtype and added to it. `v + -0.0 == v` for every float
+    `v` (signed zeros and NaN included) and `v + 0 == v` for integers, so values are
+    unchanged to the bit; the cost is one pass over `x`, a piece or a secondary shard.
+    """
+    leaves = [v for v in jax.tree_util.tree_leaves(tie) if _is_inexact(v) and v.size]
+    if not leaves:
         return x
-    _, x = lax.optimization_barrier((tie, x))
-    return x
+    first = jnp.ravel(leaves[0])[0].astype(jnp.float32)
+    zero = jnp.where(first == first, -jnp.minimum(jnp.abs(first), 0.0), -0.0)
+    return jax.tree_util.tree_map(lambda v: v + zero.astype(v.dtype), x)
 
 
 def _apply_chain(x: jax.Array, chain: Sequence[tuple[Any, dict[str, Any]]]) -> jax.Array:
@@ -244,7 +254,9 @@ def _eval_eqn(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
         others = [x for i, x in enumerate(invals) if i != lazy_idx[0]]
         if not others:
             params = prim.get_bind_params(eqn.params)
-            return [dataclasses.replace(lz, aval=eqn.outvars[0].aval, chain=(*lz.chain, (prim, params)))]
+            return [
+                dataclasses.replace(lz, aval=eqn.outvars[0].aval, chain=(*lz.chain, (prim, params)))
+            ]
     if prim is jit_p or prim is core.closed_call_p:
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
         return evaluate(inner.jaxpr, inner.consts, invals, ctx)
@@ -370,7 +382,7 @@ def _at_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], ctx: Con
 
     def use_bwd(saved, cts):
         pieces, wires, res, acts, fixed, tie = saved
-        cts, pieces, wires = lax.optimization_barrier((cts, pieces, wires))
+        pieces, wires = _barrier(cts, (pieces, wires))
         _, pull = jax.vjp(run_flat, acts, flats(pieces, wires, fixed, True))
         d_acts, d_flat = pull(cts)
         d_pieces, d_res = [], []
@@ -387,8 +399,6 @@ def _at_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], ctx: Con
     res = [g.residuals(leaf) for leaf in leaves]
     fixed = [g.fixed(leaf) for leaf in leaves]
     return use(pieces, res, acts, fixed, tie)
-
-
 
 
 # ----------------------------------------------------------------------------- scans
@@ -495,7 +505,6 @@ def _layered_scan(
     def forward(shards, consts, init, plain, fixed, tie, save):
         """Returns `(carry, ys, saved)`; `saved` (with `save`) holds, per layer, the carry
         that entered it and its wires: `(stacked, last)`, `last` None without prefetch."""
-        shards = _barrier(tie, shards)
         if not prefetch:
 
             def iteration(c, x):
@@ -514,7 +523,7 @@ def _layered_scan(
             new_c, y = step(consts, c, x_plain, flats)
             return (new_c, next_flats, next_wires), (y, (c, wires) if save else ())
 
-        flats, wires = gathered([s[0] for s in shards], fixed, None)
+        flats, wires = gathered([s[0] for s in shards], fixed, tie)
         carry = (init, flats, wires)
         ys = saved = None
         if length > 1:
@@ -546,7 +555,7 @@ def _layered_scan(
         return dc, d_flats, dcs, d_plain
 
     def backward_layer(consts, fixed, g_c, g_cs, i, c_in, x_plain, wires, pieces, g_y):
-        g_c, wires, pieces = lax.optimization_barrier((g_c, wires, pieces))
+        wires, pieces = _barrier(g_c, (wires, pieces))
         flats = [
             g.gather(leaf, p, w, f, True)
             for leaf, p, w, f in zip(leaves, pieces, wires, fixed, strict=True)
@@ -644,9 +653,7 @@ def _append(stacked: Any, last: Any) -> Any:
     """`stacked` (leading axis = iterations, or None for none) with `last` appended."""
     if stacked is None:
         return jax.tree_util.tree_map(lambda x: x[None], last)
-    return jax.tree_util.tree_map(
-        lambda s, x: jnp.concatenate([s, x[None]], axis=0), stacked, last
-    )
+    return jax.tree_util.tree_map(lambda s, x: jnp.concatenate([s, x[None]], axis=0), stacked, last)
 
 
 # ----------------------------------------------------------------------------- entry
@@ -690,7 +697,7 @@ def run_placed(
         else:
             args.append(w)
     args.extend(flat_others)
-    lazy_leaves = {v: i for v, i in zip(closed.jaxpr.invars, range(len(weights))) if i in sharded}
+    lazy_leaves = {closed.jaxpr.invars[i]: i for i in sharded}
     ctx = Context(gathers, prefetch, count_uses(closed.jaxpr, lazy_leaves))
     outs = evaluate(closed.jaxpr, closed.consts, args, ctx)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)

@@ -21,6 +21,7 @@ from zeropp_jax import partition as part
 from zeropp_jax.choices import resolve_codec
 from zeropp_jax.config import ZeroPPConfig
 
+
 def _reference_map(
     body: Callable[..., list[jax.Array]],
     mesh: Mesh,

@@ -9,10 +9,11 @@ that entry's gradient; `TrainState.apply_gradients` takes the entry out of the g
 and parameters, gives the optimizer the rest, and stores the new residuals (times the
 decay, zeroed every `error_feedback_reset` steps).
 
-Global shapes, every residual sharded `PartitionSpec(('node', 'local'))` (device `(n, l)`
-holds block `n * local_size + l`): hop 1, `(N * padded_rows, ...)` (each device's residual
-of its own full-size gradient contribution); hop 2, `(N * num_nodes * rows, ...)` with
-`rows = padded_rows / N` (each device's residual of its hop-1 partial sums).
+Global shapes, every residual flat and sharded `PartitionSpec(('node', 'local'))` (device
+`(n, l)` holds block `n * local_size + l`), with `P = layout.padded_size` values in piece
+order (see `partition`): hop 1, `(N * P,)` (each device's residual of its own full-size
+gradient contribution); hop 2, `(num_nodes * P,)` (each device's residual of its hop-1
+partial sums, `num_nodes * P / N` values).
 """
 
 from __future__ import annotations
@@ -58,8 +59,7 @@ def shapes(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Global shapes of a sharded leaf's hop-1 and hop-2 residuals."""
     n = num_nodes * local_size
-    rows, rest = layout.padded_rows, tuple(layout.shape[1:])
-    return (n * rows, *rest), (num_nodes * rows, *rest)
+    return (n * layout.padded_size,), (num_nodes * layout.padded_size,)
 
 
 def zeros(
@@ -138,20 +138,20 @@ def missing_mass(
     local_size: int,
 ) -> tuple[jax.Array | None, ...]:
     """Per sharded leaf, what the reduced gradients still owe: the sum over devices of the
-    hop-1 residuals plus the hop-2 residuals put back at their rows, `(padded_rows, ...)`
-    in partition order. What `respread` distributes on another mesh."""
+    hop-1 residuals plus the hop-2 residuals put back at their values, in the stored
+    layout of the parameter (`layout.stored_shape`). What `respread` distributes on
+    another mesh."""
     n = num_nodes * local_size
 
     def owed(lo: part.LeafLayout, r1: jax.Array | None, r2: jax.Array | None) -> jax.Array:
-        rest = tuple(lo.shape[1:])
-        total = jnp.zeros((lo.padded_rows, *rest), jnp.float32)
+        size = lo.padded_size
+        total = jnp.zeros((size,), jnp.float32)
         if r1 is not None:
-            total = total + r1.reshape(n, lo.padded_rows, *rest).sum(0)
+            total = total + r1.reshape(n, size).sum(0)
         if r2 is not None:
-            rows = lo.padded_rows // n
-            per = r2.reshape(num_nodes, local_size, num_nodes * rows, *rest).sum(0)
-            total = total + per.reshape(lo.padded_rows, *rest)
-        return total
+            per = r2.reshape(num_nodes, local_size, num_nodes * (size // n)).sum(0)
+            total = total + per.reshape(size)
+        return part.pieces_to_stored(total, lo, n)
 
     out: list[jax.Array | None] = []
     for i, lo in enumerate(leaf_layouts):
@@ -170,7 +170,7 @@ def respread(
     config: ZeroPPConfig,
     mesh: Mesh,
 ) -> dict[str, tuple[jax.Array | None, ...]] | None:
-    """Residuals for `mesh` that owe the same `mass` (rows resized to this mesh's padding):
+    """Residuals for `mesh` that owe the same `mass` (padding resized to this mesh's):
     split evenly over the devices of the first hop that keeps residuals here."""
     fresh = zeros(leaf_layouts, config, mesh)
     if fresh is None:
@@ -182,13 +182,12 @@ def respread(
     out: dict[str, list[jax.Array | None]] = {k: list(v) for k, v in fresh.items()}
 
     def spread(lo: part.LeafLayout, m: jax.Array) -> jax.Array:
-        rest = tuple(lo.shape[1:])
-        rows = min(m.shape[0], lo.padded_rows)
-        m = jnp.zeros((lo.padded_rows, *rest), jnp.float32).at[:rows].set(m[:rows])
+        m = part.stored_to_pieces(part.resize_cols(m, lo.padded_cols), lo, n)
+        size = lo.padded_size
         if hop1:
-            return jnp.broadcast_to(m / n, (n, *m.shape)).reshape(n * lo.padded_rows, *rest)
-        per = m.reshape(ll, nn * (lo.padded_rows // n), *rest) / nn
-        return jnp.broadcast_to(per, (nn, *per.shape)).reshape(-1, *rest)
+            return jnp.broadcast_to(m / n, (n, size)).reshape(n * size)
+        per = m.reshape(ll, nn * (size // n)) / nn
+        return jnp.broadcast_to(per, (nn, *per.shape)).reshape(-1)
 
     for i, (m, lo) in enumerate(zip(mass, leaf_layouts, strict=True)):
         if m is None or not lo.sharded:
