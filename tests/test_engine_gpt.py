@@ -131,3 +131,48 @@ def test_ledger_zeropp_is_about_a_quarter_of_zero3():
     assert ("backward", "all-to-all", ("local",), "uint8") in dtypes
     assert ("backward", "all-to-all", ("node",), "uint8") in dtypes
     assert not any(d[1] == "reduce-scatter" for d in dtypes)
+
+
+@pytest.mark.parametrize("name", ["zero3", "zeropp"])
+def test_scanned_gpt_ledger_equals_the_unrolled_one(name):
+    """`nn.scan` over stacked blocks: each block's gathers and reductions run inside the
+    loop (times its trip count) and the forward gathers and gradient reductions send what
+    the unrolled GPT's send (no padding here: every layer's piece divides evenly), with
+    hpZ's backward gathers inside nodes. The backward loop recomputes each layer and
+    re-gathers its matrices; the unrolled backward re-gathers the matrices and the norm
+    scales (what its saved activations need), so the scanned backward gathers at most as
+    much, less at most the norm scales."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, n_layers=3, scan=True)
+    mesh = zpp.make_mesh(2, 4)
+    config = {"zero3": zpp.ZeroPPConfig.zero3(), "zeropp": zpp.ZeroPPConfig()}[name]
+    out = {}
+    for scanned in (False, True):
+        c = dataclasses.replace(cfg, scan=scanned)
+        state = zpp.TrainState.create(
+            apply_fn=GPT(c).apply,
+            params=init_params(c, 0),
+            tx=optax.adam(1e-3),
+            mesh=mesh,
+            config=config,
+        )
+        out[scanned] = zpp.comm_ledger(zpp.shard(train_step), state, batch(0))
+    looped = [r for r in out[True].records if r.trip_count > 1 and r.op == "all-gather"]
+    assert looped and all(r.trip_count == cfg.n_layers - 1 for r in looped)
+    got, want = (out[s].bytes_by("part") for s in (True, False))
+    assert got[("fwd_gather",)] == want[("fwd_gather",)]
+    assert got[("grad_reduce",)] == want[("grad_reduce",)]
+    # Vector-sized gathers (at most 4 bytes per value of a d_model vector; every matrix
+    # has d_model**2 values or more): the unrolled backward's norm-scale re-gathers.
+    scales = sum(
+        r.bytes_sent
+        for r in out[False].records
+        if r.part == "bwd_gather" and r.out_bytes <= 4 * cfg.d_model
+    )
+    assert scales > 0
+    assert want[("bwd_gather",)] - scales <= got[("bwd_gather",)] <= want[("bwd_gather",)]
+    if name == "zeropp":
+        for r in out[True].records:
+            if r.phase == "backward" and r.op == "all-gather":
+                assert r.axes == ("local",), r

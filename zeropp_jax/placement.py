@@ -474,11 +474,20 @@ def _layered_scan(
     With `prefetch`, layer 0 is gathered before the loop and iteration i gathers layer
     i + 1 (issued once layer i's input carry exists, before layer i's compute); the last
     layer runs after the loop, so no gather is wasted. The backward loop re-gathers layer
-    i once the cotangent reaching it exists. Returns the scan's outputs (final carry, then
+    i's matrices once the cotangent reaching it exists (its vectors are kept from the
+    forward), recomputes the layer from the carry that entered it, and reduces the layer's
+    gradients inside the iteration. Returns the scan's outputs (final carry, then
     stacked `ys`).
     """
     leaves = [lz.leaf for lz in lazies]
     n_xs = len(lazy_pos) + len(plain_pos)
+    # A layer's vectors (biases, norm scales) are kept gathered for the backward loop, as
+    # one-device training keeps them: re-gathering them costs a collective per vector for
+    # a few values each. Matrices are re-gathered from their secondary shard (hpZ).
+    small = [len(g.layout(leaf).shape) == 2 for leaf in leaves]
+
+    def kept(flats, wires):
+        return [f if keep else w for f, w, keep in zip(flats, wires, small, strict=True)]
 
     def step(consts, carry, x_plain, flats):
         weights = [
@@ -511,7 +520,7 @@ def _layered_scan(
                 x_plain, pieces = x
                 flats, wires = gathered(pieces, fixed, _first_array(c))
                 new_c, y = step(consts, c, x_plain, flats)
-                return new_c, (y, (c, wires) if save else ())
+                return new_c, (y, (c, kept(flats, wires)) if save else ())
 
             c, (ys, saved) = lax.scan(iteration, init, (plain, shards))
             return c, ys, (saved, None)
@@ -521,7 +530,7 @@ def _layered_scan(
             x_plain, next_pieces = x
             next_flats, next_wires = gathered(next_pieces, fixed, _first_array(c))
             new_c, y = step(consts, c, x_plain, flats)
-            return (new_c, next_flats, next_wires), (y, (c, wires) if save else ())
+            return (new_c, next_flats, next_wires), (y, (c, kept(flats, wires)) if save else ())
 
         flats, wires = gathered([s[0] for s in shards], fixed, tie)
         carry = (init, flats, wires)
@@ -532,7 +541,7 @@ def _layered_scan(
         c, flats, wires = carry
         last_c, last_y = step(consts, c, [x[-1] for x in plain], flats)
         ys = _append(ys, last_y)
-        return last_c, ys, (saved if save else (), (c, wires) if save else ())
+        return last_c, ys, (saved if save else (), (c, kept(flats, wires)) if save else ())
 
     def vjp_layer(consts, c_in, x_plain, flats, g_c, g_y):
         """Cotangents of one layer: carry, plain xs, gathered flats, inexact consts."""
@@ -557,8 +566,8 @@ def _layered_scan(
     def backward_layer(consts, fixed, g_c, g_cs, i, c_in, x_plain, wires, pieces, g_y):
         wires, pieces = _barrier(g_c, (wires, pieces))
         flats = [
-            g.gather(leaf, p, w, f, True)
-            for leaf, p, w, f in zip(leaves, pieces, wires, fixed, strict=True)
+            w if keep else g.gather(leaf, p, w, f, True)
+            for leaf, p, w, f, keep in zip(leaves, pieces, wires, fixed, small, strict=True)
         ]
         dc, d_flats, dcs, d_plain = vjp_layer(consts, c_in, x_plain, flats, g_c, g_y)
         d_pieces = [

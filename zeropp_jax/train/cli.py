@@ -31,7 +31,16 @@ from typing import Any
 from zeropp_jax.train.flags import PROG, UsageError, parse_args, zeropp_config
 
 # Arguments that fix the model and the data order: a resumed run must repeat them.
-_RUN_IDENTITY = ("d_model", "n_layers", "n_heads", "seq_len", "batch", "seed", "max_corpus_mb")
+_RUN_IDENTITY = (
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "seq_len",
+    "scan_layers",
+    "batch",
+    "seed",
+    "max_corpus_mb",
+)
 _ACCELERATOR_PLUGINS = (
     "jax_cuda13_plugin",
     "jax_cuda12_plugin",
@@ -56,19 +65,14 @@ def configure_host_devices(args: argparse.Namespace) -> None:
     """Emulates several CPU devices when the job will run on the CPU.
 
     Sets `--xla_force_host_platform_device_count` in XLA_FLAGS (8 per job by default, or
-    `--local` per process) unless the user set it, and selects XLA:CPU's memory-minimising
-    scheduler (unless the user chose one). Must run before JAX initialises its
+    `--local` per process) unless the user set it. No other XLA flag is set: the engine
+    orders its gathers by data dependencies, so the default scheduler keeps about one
+    layer's full weights (tests/test_memory.py). Must run before JAX initialises its
     backends; it changes nothing once they are up.
     """
     flags = os.environ.get("XLA_FLAGS", "")
     if not _will_run_on_cpu():
         return
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
-        # XLA:CPU's default scheduler hoists every weight gather (forward and backward
-        # re-gather) to the start of the step, keeping all full weights alive; the
-        # memory-minimising scheduler keeps about one layer's weights (tests/test_memory.py).
-        flags = f"{flags} --xla_cpu_enable_concurrency_optimized_scheduler=false".strip()
-        os.environ["XLA_FLAGS"] = flags
     if "xla_force_host_platform_device_count" in flags:
         return
     processes = args.num_processes or 1
@@ -347,7 +351,11 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
     corpus = data.load_corpus(max_bytes=args.max_corpus_mb * 2**20)
     entropy = data.unigram_entropy(corpus.train)
     gpt = GPTConfig(
-        seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        scan=args.scan_layers,
     )
     model = GPT(gpt)
     params = init_params(gpt, args.seed)

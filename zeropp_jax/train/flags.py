@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-layers", type=_positive, default=4, help="transformer blocks (4)")
     g.add_argument("--n-heads", type=_positive, default=4, help="attention heads (4)")
     g.add_argument("--seq-len", type=_positive, default=128, help="tokens per sequence (128)")
+    g.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="run the blocks as one nn.scan over stacked weights (each layer gathered "
+        "inside the loop)",
+    )
 
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=_positive, default=200, help="optimizer steps (200)")

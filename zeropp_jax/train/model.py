@@ -33,6 +33,9 @@ class GPTConfig:
       n_layers: number of transformer blocks.
       n_heads: attention heads per block; must divide `d_model`.
       mlp_ratio: hidden width of the MLP as a multiple of `d_model`.
+      scan: run the blocks as one `nn.scan` over stacked weights (each leaf of the blocks
+        gets a leading layer axis, as MaxText and levanter lay out LLMs) instead of
+        `n_layers` separately named blocks.
     """
 
     vocab_size: int = 256
@@ -41,8 +44,11 @@ class GPTConfig:
     n_layers: int = 4
     n_heads: int = 4
     mlp_ratio: int = 4
+    scan: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.scan, bool):
+            raise ValueError(f"GPTConfig.scan={self.scan!r}; expected True or False.")
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -93,6 +99,16 @@ class Block(nn.Module):
         return x + _dense(cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers), "out")(h)
 
 
+class ScannedBlock(nn.Module):
+    """`Block` with the `(carry, xs) -> (carry, ys)` signature of `nn.scan`."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+        return Block(self.config, name="block")(x), None
+
+
 class GPT(nn.Module):
     """Decoder-only GPT with a tied output head.
 
@@ -115,8 +131,17 @@ class GPT(nn.Module):
         )
         pos = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
         x = embed(tokens) + pos[:seq].astype(embed.embedding.dtype)
-        for i in range(cfg.n_layers):
-            x = Block(cfg, name=f"block_{i}")(x)
+        if cfg.scan:
+            blocks = nn.scan(
+                ScannedBlock,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=cfg.n_layers,
+            )
+            x, _ = blocks(cfg, name="blocks")(x, None)
+        else:
+            for i in range(cfg.n_layers):
+                x = Block(cfg, name=f"block_{i}")(x)
         x = nn.LayerNorm(name="ln_f")(x)
         return jnp.einsum(
             "bsd,vd->bsv", x, embed.embedding.astype(x.dtype), preferred_element_type=jnp.float32
