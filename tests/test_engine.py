@@ -103,24 +103,25 @@ def test_gather_params_restores_shapes_and_dtypes():
         "b": jnp.arange(7, dtype=jnp.float32),
         "s": jnp.float32(2.5),
         "table": jnp.arange(6, dtype=jnp.int32).reshape(2, 3),
+        "stack": jnp.arange(2 * 3 * 3, dtype=jnp.float32).reshape(2, 3, 3),
     }
     state = zpp.TrainState.create(
         apply_fn=lambda v, x: x, params=params, tx=optax.sgd(0.1), mesh=mesh
     )
-    # Master copies: float32; a matrix keeps its rows, each padded to a multiple of 8
-    # values and sharded along axis 1; a vector is padded to a multiple of 8 and sharded;
-    # others replicated.
-    assert state.params["w"].shape == (3, 8) and state.params["w"].dtype == jnp.float32
-    assert state.params["w"].sharding.spec == engine.part.ROW_PARAM_SPEC
-    assert state.params["b"].shape == (8,)
-    assert state.params["b"].sharding.spec == engine.part.PARAM_SPEC
+    # Master copies: float32, padded to a multiple of 8 rows, sharded; a stacked leaf
+    # (rank 3) keeps axis 0 and pads each slice to a multiple of 8 values; others
+    # replicated.
+    assert state.params["w"].shape == (8, 5) and state.params["w"].dtype == jnp.float32
+    assert state.params["w"].sharding.spec == engine.part.PARAM_SPEC
+    assert state.params["stack"].shape == (2, 16)
+    assert state.params["stack"].sharding.spec == engine.part.ROW_PARAM_SPEC
     assert state.params["table"].sharding.spec == engine.part.REPLICATED
     assert state.params["s"].sharding.spec == engine.part.REPLICATED
     got = zpp.gather_params(state)
     for k in params:
         assert got[k].shape == params[k].shape and got[k].dtype == params[k].dtype, k
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(params[k]))
-    assert state.param_count == 15 + 7 + 1 + 6
+    assert state.param_count == 15 + 7 + 1 + 6 + 18
 
 
 def test_padding_stays_zero_and_optimizer_state_is_sharded():
@@ -130,8 +131,8 @@ def test_padding_stays_zero_and_optimizer_state_is_sharded():
     state, _ = sharded(params, TX, [batch] * 3, mesh, zpp.ZeroPPConfig())
     for lo, x in zip(state.layouts[1], jax.tree_util.tree_leaves(state.params), strict=True):
         if lo.sharded:
-            rows = np.asarray(x).reshape(lo.lead, lo.padded_cols)
-            assert not np.any(rows[:, lo.cols :])
+            padding = np.asarray(x)[lo.shape[0] :]
+            assert not np.any(padding)
     mu = state.opt_state[1][0].mu
     for lo, x in zip(state.layouts[1], jax.tree_util.tree_leaves(mu), strict=True):
         if x.ndim:

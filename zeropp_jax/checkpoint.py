@@ -202,6 +202,23 @@ def _check_compatible(meta: dict[str, Any], target: TrainState) -> None:
         )
 
 
+def _padded_axis(saved: tuple[int, ...], target: tuple[int, ...]) -> int | None:
+    """The one axis in which a saved leaf differs from the target's (its padding for
+    another device count), or None when they differ otherwise."""
+    if len(saved) != len(target) or not saved:
+        return None
+    differ = [i for i, (a, b) in enumerate(zip(saved, target, strict=True)) if a != b]
+    return differ[0] if len(differ) == 1 else None
+
+
+def _resize(x: jax.Array, axis: int, size: int) -> jax.Array:
+    if x.shape[axis] >= size:
+        return jax.lax.slice_in_dim(x, 0, size, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
 def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainState:
     """Restores the checkpoint at `path` onto `target`'s mesh and config.
 
@@ -236,14 +253,16 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     def abstract(shape, tgt):
         sharding = tgt.sharding
         if shape != tuple(tgt.shape):
-            # Rows padded for another device count (the last axis): load sharded if they
-            # divide evenly over this mesh, else replicated (one transient full copy).
-            if not (shape and len(shape) == tgt.ndim and shape[:-1] == tuple(tgt.shape[:-1])):
+            # Padded for another device count (axis 0, or the last axis of a stacked
+            # leaf): load sharded if that axis divides evenly over this mesh, else
+            # replicated (one transient full copy of that leaf).
+            axis = _padded_axis(shape, tuple(tgt.shape))
+            if axis is None:
                 raise ValueError(
                     f"checkpoint leaf of shape {shape} cannot be restored into a target leaf "
                     f"of shape {tuple(tgt.shape)}."
                 )
-            if shape[-1] % mesh.size:
+            if shape[axis] % mesh.size:
                 sharding = replicated
         return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=sharding)
 
@@ -260,8 +279,9 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     def fit(x, tgt):
         if x.shape == tgt.shape:
             return x
-        return jax.jit(part.resize_cols, static_argnums=1, out_shardings=tgt.sharding)(
-            x, tgt.shape[-1]
+        axis = _padded_axis(tuple(x.shape), tuple(tgt.shape))
+        return jax.jit(_resize, static_argnums=(1, 2), out_shardings=tgt.sharding)(
+            x, axis, tgt.shape[axis]
         )
 
     residuals = _restored_residuals(loaded.pop("error_feedback", None), meta, target)

@@ -316,6 +316,15 @@ class LeafGathers:
             key = jax.random.fold_in(key, layer)
         return weight_gather.reduce_gradient(g, self.spec, key, residuals or ())
 
+    def full(
+        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, residuals: Any
+    ) -> jax.Array:
+        key, ref = fixed
+        spec = self.spec
+        if ref is not None:
+            spec = dataclasses.replace(spec, weight_local_bits=weight_gather.local_bits(spec))
+        return weight_gather.gather_from_wire(piece, wire, spec, key, residuals or ())
+
     def whole(self, leaf: int, piece: jax.Array, fixed: Any, residuals: Any) -> jax.Array:
         key, ref = fixed
         if ref is None:

@@ -3,18 +3,23 @@
 A float leaf is cast to float32 (the master copy) and sharded over all `N` devices with
 `('local', 'node')` (see `collectives` for why that order):
 
-- a leaf of rank >= 2, `(d0, d1, ...)`, keeps axis 0 whole and is stored as `(d0, C)`: each
-  row flattened (`d1 * d2 * ...` values) and zero-padded to `C = ceil(d1 * ... / N) * N`,
-  sharded along axis 1 (`PartitionSpec(None, ('local', 'node'))`). A scan over a stacked
-  leaf `(layers, ...)` slices axis 0, so each layer's slice is sharded and padded on its
-  own, and the layer axis is never split or padded. An unstacked matrix pays the same
-  way: its rows are padded to a multiple of `N` values.
-- a leaf of rank 1, `(d0,)`, is zero-padded to `C = ceil(d0 / N) * N` and sharded along
-  axis 0 (`PartitionSpec(('local', 'node'))`).
+- a leaf of rank 1 or 2, `(d0, ...)`, is zero-padded to `ceil(d0 / N) * N` rows and
+  sharded along axis 0 (`PartitionSpec(('local', 'node'))`): each device holds whole rows.
+- a leaf of rank >= 3, `(d0, d1, ...)`, is treated as stacked (`(layers, rows, cols)`, as
+  `nn.scan`, `nnx.scan` and MaxText lay out LLM blocks): axis 0 is kept whole and the leaf
+  is stored as `(d0, C)`, each slice along axis 0 flattened (`d1 * d2 * ...` values) and
+  zero-padded to `C = ceil(d1 * ... / N) * N`, sharded along axis 1
+  (`PartitionSpec(None, ('local', 'node'))`). A scan over the layer axis finds each
+  layer's slice sharded and padded on its own; the layer axis is never split or padded.
+  Within a layer each device holds whole rows of the slice (contiguous values), as the
+  quantization blocks want.
 
-Each device's shard, flattened (`(d0 * C / N,)` values, row by row), is the *piece* the
-collectives gather and reduce; a gathered leaf, `(N * d0 * C / N,)` in device order, is
-turned back into the original shape by `unpiece`. Padding stays exactly zero: its gradient
+A stacked leaf's per-layer vectors (biases, norm scales: `(layers, width)`, rank 2) have
+the rank-2 layout: they are small, and a scan gathers them whole (see `placement`).
+
+Each device's shard, flattened, is the *piece* the collectives gather and reduce; a
+gathered leaf, every device's piece in partition order, is turned back into the original
+shape by `unpiece`. Padding stays exactly zero: its gradient
 is zero, and so is every optimizer update of a zero parameter with a zero gradient. Float
 scalars and non-float leaves (counters, int tables) are replicated and never quantized.
 """
@@ -28,13 +33,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 PARAM_SPEC = P(("local", "node"))
-"""Spec of a sharded rank-1 parameter (and of its optimizer state)."""
+"""Spec of a sharded parameter of rank 1 or 2 (and of its optimizer state)."""
 ROW_PARAM_SPEC = P(None, ("local", "node"))
-"""Spec of a sharded parameter of rank >= 2, stored `(d0, C)` (and of its optimizer state)."""
+"""Spec of a stacked parameter (rank >= 3), stored `(d0, C)` (and of its optimizer state)."""
 BATCH_SPEC = P(("node", "local"))
 """Spec of a batch: leading dimension over all devices in node-major order."""
 REPLICATED = P()
@@ -54,48 +60,60 @@ class LeafLayout:
       dtype: original dtype name.
       sharded: True for float leaves with at least one dimension (sharded float32 master
         copy); False for replicated leaves.
-      padded_cols: `C`, the values per row after padding (rank >= 2: the flattened
-        trailing axes; rank 1: the whole leaf); 0 if not sharded.
+      padded: rank <= 2, the rows after padding (axis 0 is sharded); rank >= 3, `C`, the
+        values per row after padding (axis 0 is kept whole); 0 if not sharded.
     """
 
     shape: tuple[int, ...]
     dtype: str
     sharded: bool
-    padded_cols: int
+    padded: int
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
     @property
+    def stacked(self) -> bool:
+        """Whether axis 0 is kept whole (rank >= 3), so that a scan over it finds each
+        slice sharded on its own: a stacked matrix `(layers, rows, cols)`."""
+        return self.sharded and len(self.shape) >= 3
+
+    @property
     def lead(self) -> int:
-        """Rows kept whole: `shape[0]` for rank >= 2 (the layer axis of a stacked leaf), 1
-        for rank 1."""
-        return self.shape[0] if len(self.shape) >= 2 else 1
+        """Rows kept whole: `shape[0]` for a stacked leaf, 1 otherwise."""
+        return self.shape[0] if self.stacked else 1
 
     @property
     def cols(self) -> int:
-        """Values per row before padding."""
-        return math.prod(self.shape[1:]) if len(self.shape) >= 2 else math.prod(self.shape)
+        """Values per kept row before padding (stacked: one slice along axis 0)."""
+        return math.prod(self.shape[1:]) if self.stacked else self.size
+
+    @property
+    def padded_cols(self) -> int:
+        """Values per kept row after padding (N times one device's piece of it)."""
+        if self.stacked:
+            return self.padded
+        return self.padded * math.prod(self.shape[1:])
+
+    @property
+    def padded_axis(self) -> int:
+        """The axis of the stored leaf that padding lengthens (-1: the last)."""
+        return -1 if self.stacked else 0
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
         """Global shape of the stored (padded) leaf."""
         if not self.sharded:
             return self.shape
-        if len(self.shape) >= 2:
-            return (self.lead, self.padded_cols)
-        return (self.padded_cols,)
+        if self.stacked:
+            return (self.lead, self.padded)
+        return (self.padded, *self.shape[1:])
 
     @property
     def padded_size(self) -> int:
         """Values of the stored leaf (every device's piece together)."""
         return self.lead * self.padded_cols if self.sharded else self.size
-
-    @property
-    def stacked(self) -> bool:
-        """Whether axis 0 can be scanned over with each slice sharded (rank >= 2)."""
-        return self.sharded and len(self.shape) >= 2
 
 
 def leaf_layout(path: str, x: Any, num_devices: int) -> LeafLayout:
@@ -126,8 +144,8 @@ def with_devices(layout: LeafLayout, num_devices: int) -> LeafLayout:
     """The layout of the same leaf padded for `num_devices` devices."""
     if not layout.sharded:
         return layout
-    padded = -(-layout.cols // num_devices) * num_devices
-    return dataclasses.replace(layout, padded_cols=padded)
+    n = layout.cols if layout.stacked else layout.shape[0]
+    return dataclasses.replace(layout, padded=-(-n // num_devices) * num_devices)
 
 
 def param_layouts(params: Any, num_devices: int) -> Any:
@@ -141,32 +159,36 @@ def is_layout(x: Any) -> bool:
     return isinstance(x, LeafLayout)
 
 
-def _rows(x: jax.Array, layout: LeafLayout) -> jax.Array:
-    """`x` (original shape) as `(lead, cols)`."""
-    return jnp.reshape(x, (layout.lead, layout.cols))
-
-
 def to_master(x: jax.Array, layout: LeafLayout) -> jax.Array:
     """Original leaf -> stored leaf (float32, padded) for sharded leaves; as-is otherwise."""
     if not layout.sharded:
         return jnp.asarray(x)
-    x = _rows(jnp.asarray(x, jnp.float32), layout)
-    return resize_cols(x, layout.padded_cols).reshape(layout.stored_shape)
+    x = jnp.asarray(x, jnp.float32)
+    if layout.stacked:
+        x = x.reshape(layout.lead, layout.cols)
+    return resize_padding(x, layout)
 
 
 def from_master(x: jax.Array, layout: LeafLayout, dtype: Any = None) -> jax.Array:
     """Stored leaf -> original shape, in `dtype` (default: the original dtype)."""
     if layout.sharded:
-        x = x.reshape(layout.lead, layout.padded_cols)[:, : layout.cols].reshape(layout.shape)
+        if layout.stacked:
+            x = x[:, : layout.cols].reshape(layout.shape)
+        else:
+            x = x[: layout.shape[0]]
     return x.astype(layout.dtype if dtype is None else dtype)
 
 
-def resize_cols(x: jax.Array, cols: int) -> jax.Array:
-    """Crops or zero-pads the last axis of `x` to `cols` (padding for another mesh)."""
-    have = x.shape[-1]
-    if have >= cols:
-        return x[..., :cols]
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, cols - have)])
+def resize_padding(x: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Crops or zero-pads the padded axis of `x` (a stored leaf, e.g. padded for another
+    mesh) to `layout`'s padding."""
+    axis = x.ndim - 1 if layout.stacked else 0
+    want, have = layout.padded, x.shape[axis]
+    if have >= want:
+        return lax.slice_in_dim(x, 0, want, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, want - have)
+    return jnp.pad(x, pad)
 
 
 def unpiece(
@@ -179,28 +201,33 @@ def unpiece(
         collectives return for a flattened shard).
       layout: the leaf's layout.
       num_devices: devices the leaf is sharded over.
-      layer: `full` is one slice along axis 0 (a scan's layer) rather than the whole leaf.
+      layer: `full` is one slice along axis 0 of a stacked leaf (a scan's layer) rather
+        than the whole leaf.
 
     Returns:
       The leaf in its original shape (`layout.shape[1:]` for a layer).
     """
+    if not layout.stacked:
+        return full.reshape(layout.stored_shape)[: layout.shape[0]]
     lead = 1 if layer else layout.lead
-    x = full.reshape(num_devices, lead, layout.padded_cols // num_devices)
-    x = jnp.swapaxes(x, 0, 1).reshape(lead, layout.padded_cols)[:, : layout.cols]
+    x = full.reshape(num_devices, lead, layout.padded // num_devices)
+    x = jnp.swapaxes(x, 0, 1).reshape(lead, layout.padded)[:, : layout.cols]
     return x.reshape(layout.shape[1:] if layer else layout.shape)
 
 
 def pieces_to_stored(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
     """`(padded_size,)` in piece order (a reference, a missing mass) -> the stored shape."""
-    c = layout.padded_cols // num_devices
-    x = x.reshape(num_devices, layout.lead, c)
+    if not layout.stacked:
+        return x.reshape(layout.stored_shape)
+    x = x.reshape(num_devices, layout.lead, layout.padded // num_devices)
     return jnp.swapaxes(x, 0, 1).reshape(layout.stored_shape)
 
 
 def stored_to_pieces(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
     """Inverse of `pieces_to_stored`."""
-    c = layout.padded_cols // num_devices
-    x = x.reshape(layout.lead, num_devices, c)
+    if not layout.stacked:
+        return x.reshape(-1)
+    x = x.reshape(layout.lead, num_devices, layout.padded // num_devices)
     return jnp.swapaxes(x, 0, 1).reshape(-1)
 
 
@@ -208,7 +235,7 @@ def leaf_spec(layout: LeafLayout) -> P:
     """The `PartitionSpec` of a stored leaf."""
     if not layout.sharded:
         return REPLICATED
-    return ROW_PARAM_SPEC if len(layout.shape) >= 2 else PARAM_SPEC
+    return ROW_PARAM_SPEC if layout.stacked else PARAM_SPEC
 
 
 def param_shardings(layouts: Any, mesh: Mesh) -> Any:

@@ -182,7 +182,7 @@ def respread(
     out: dict[str, list[jax.Array | None]] = {k: list(v) for k, v in fresh.items()}
 
     def spread(lo: part.LeafLayout, m: jax.Array) -> jax.Array:
-        m = part.stored_to_pieces(part.resize_cols(m, lo.padded_cols), lo, n)
+        m = part.stored_to_pieces(part.resize_padding(m, lo), lo, n)
         size = lo.padded_size
         if hop1:
             return jnp.broadcast_to(m / n, (n, size)).reshape(n * size)

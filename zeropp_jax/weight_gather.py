@@ -188,6 +188,19 @@ def reference_wire(
     return wire, dataclasses.replace(spec, weight_local_bits=stage2)
 
 
+def gather_from_wire(
+    x: jax.Array,
+    wire: tuple[jax.Array, ...],
+    spec: GatherSpec,
+    key: jax.Array | None = None,
+    residuals: Residuals = (),
+) -> jax.Array:
+    """`gather_weight` from a secondary `wire` computed beforehand (`secondary_wire` or
+    `reference_wire`; `()` for the flat gather): the full weight, whose cotangent leaves
+    through the gradient reduction. Shapes as for `gather_weight`."""
+    return _gather_full(x, wire, key, residuals, spec)
+
+
 def local_bits(spec: GatherSpec) -> Format | None:
     return spec.weight_bits if spec.weight_local_bits == "same" else spec.weight_local_bits
 
