@@ -79,7 +79,9 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh):
 
     config = {
         "zero3": zpp.ZeroPPConfig.zero3(),
+        "zero3_noprefetch": zpp.ZeroPPConfig.zero3(prefetch=False),
         "zeropp": zpp.ZeroPPConfig(),
+        "zeropp_noprefetch": zpp.ZeroPPConfig(prefetch=False),
         "zeropp_delta4": zpp.ZeroPPConfig(weight_delta_bits=4),
     }[config_name]
     model = MLP()

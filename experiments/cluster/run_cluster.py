@@ -13,9 +13,10 @@ so each worker runs in its own mount and UTS namespace with its own host name an
 `/etc/hosts`. Addresses exist only inside the namespaces; nothing is sent from or to the
 root namespace.
 
-For each config (`zpp.ZeroPPConfig.zero3()` and `zpp.ZeroPPConfig()`) and each rate, the
-workers time single training steps of an MLP (median of `--steps` after `--warmup`) and
-count the bytes on the veth (`/sys/class/net/<if>/statistics`, both directions). Writes
+For each config (`CONFIG_LABELS`: `zpp.ZeroPPConfig.zero3()`, `zpp.ZeroPPConfig()` and
+variants, e.g. with `prefetch=False`) and each rate, the workers time single training steps
+of an MLP (median of `--steps` after `--warmup`) and count the bytes on the veth
+(`/sys/class/net/<if>/statistics`, both directions). Writes
 `<name>.md`, `<name>.csv` and `<name>.png` into `--out-dir` (default
 `experiments/results`). The namespaces are deleted on every exit path (also on failure,
 Ctrl-C or SIGTERM); the workers are SIGKILLed first.
@@ -38,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = pathlib.Path(__file__).resolve().parent / "cluster_worker.py"
@@ -45,9 +47,12 @@ DEFAULT_OUT = ROOT / "experiments" / "results"
 SUBNET = "10.231.0"  # private; lives only inside the two namespaces
 COORDINATOR_PORT = 29431  # the namespaces are new, so any port is free there
 LOCAL_DEVICES = 4
+BASELINE = "zero3"  # speedups are over this config at the same rate
 CONFIG_LABELS = {
     "zero3": "ZeRO-3",
+    "zero3_noprefetch": "ZeRO-3, no prefetch",
     "zeropp": "ZeRO++",
+    "zeropp_noprefetch": "ZeRO++, no prefetch",
     "zeropp_delta4": "ZeRO++ with int4 weight deltas",
 }
 
@@ -138,33 +143,55 @@ def worker_commands(topo: Topology, tmp: pathlib.Path, worker_args: list[str]) -
 # ----------------------------------------------------------------------------- results
 
 
+def source_version() -> str:
+    """`commit <short hash>`, plus the paths that differ from it when the tree is dirty."""
+    env = dict(os.environ, GIT_OPTIONAL_LOCKS="0")  # read-only: never take the index lock
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args],
+            capture_output=True, text=True, timeout=10, check=True, env=env,
+        ).stdout  # fmt: skip
+
+    try:
+        head = git("rev-parse", "--short", "HEAD").strip()
+        changed = [line[3:] for line in git("status", "--porcelain", "-uno").splitlines()]
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"commit unknown ({e})"
+    if not changed:
+        return f"commit {head}, clean tree"
+    return f"commit {head}, tree dirty ({', '.join(changed)})"
+
+
 def rate_label(rate: str) -> str:
     return "unlimited" if rate == "inf" else f"{rate} Mbit/s"
 
 
 def summarize(records: list[dict], configs: list[str], rates: list[str]) -> list[dict]:
     """One row per (rate, config): the slower process's step time per step, median over
-    steps; bytes on the link per step (sent by both sides); speedup over ZeRO-3."""
+    steps; bytes on the link per step (sent by both sides); speedup over `BASELINE` at the
+    same rate (None when it was not run)."""
     by = {}
     for r in records:
         by.setdefault((r["config"], r["rate"]), []).append(r)
     rows = []
     for rate in rates:
-        base = None
-        for cfg in configs:
-            recs = sorted(by[(cfg, rate)], key=lambda r: r["process"])
-            per_step = [max(ts) for ts in zip(*(r["times_s"] for r in recs), strict=True)]
-            median = statistics.median(per_step)
+        procs = {cfg: sorted(by[(cfg, rate)], key=lambda r: r["process"]) for cfg in configs}
+        per_step = {
+            cfg: [max(ts) for ts in zip(*(r["times_s"] for r in recs), strict=True)]
+            for cfg, recs in procs.items()
+        }
+        base = statistics.median(per_step[BASELINE]) if BASELINE in per_step else None
+        for cfg, recs in procs.items():
+            median = statistics.median(per_step[cfg])
             link = sum(r["tx_bytes"] for r in recs) / recs[0]["steps"]
-            if cfg == "zero3":
-                base = median
             rows.append(
                 dict(
                     rate=rate,
                     config=cfg,
                     step_s=median,
-                    step_min_s=min(per_step),
-                    step_max_s=max(per_step),
+                    step_min_s=min(per_step[cfg]),
+                    step_max_s=max(per_step[cfg]),
                     link_mb_per_step=link / 1e6,
                     mb_node0_to_node1=recs[0]["tx_bytes"] / recs[0]["steps"] / 1e6,
                     mb_node1_to_node0=recs[1]["tx_bytes"] / recs[1]["steps"] / 1e6,
@@ -190,25 +217,25 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
     paths.append(str(csv_path))
 
     head = (
-        "| link rate | config | step time, median (s) | cross-node MB/step | in units of M "
-        "| speedup |"
+        "| link rate | config | step time, median (s) | min-max (s) | cross-node MB/step "
+        "| in units of M | speedup |"
     )
     lines = [f"# Emulated two-node cluster: ZeRO-3 vs ZeRO++\n\n{meta}\n", head]
-    lines.append("|---|---|---:|---:|---:|---:|")
+    lines.append("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         speedup = (
             "1.00x (baseline)"
-            if r["config"] == "zero3"
+            if r["config"] == BASELINE
             else ("n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x")
         )
         lines.append(
             f"| {rate_label(r['rate'])} | {CONFIG_LABELS.get(r['config'], r['config'])} | "
-            f"{r['step_s']:.3f} | {r['link_mb_per_step']:.1f} | {r['link_in_M']:.2f} | "
-            f"{speedup} |"
+            f"{r['step_s']:.3f} | {r['step_min_s']:.3f}-{r['step_max_s']:.3f} | "
+            f"{r['link_mb_per_step']:.1f} | {r['link_in_M']:.2f} | {speedup} |"
         )
     lines.append(
-        "\nStep time: per step the slower process, median over the timed steps. Cross-node "
-        "MB/step: bytes sent on the veth pair by both sides (`tx_bytes`), per step, "
+        "\nStep time: per step the slower process, median (and range) over the timed steps. "
+        "Cross-node MB/step: bytes sent on the veth pair by both sides (`tx_bytes`), per step, "
         "collectives and all protocol overhead included; M is the model's size in 16-bit "
         "bytes (2 x parameters). Speedup: ZeRO-3 step time over "
         "the config's, at the same rate."
@@ -235,23 +262,21 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
         label = CONFIG_LABELS.get(cfg, cfg)
         ax0.bar(xs, [sel[r]["step_s"] for r in rates], width, label=label)
         ax1.bar(xs, [sel[r]["link_mb_per_step"] for r in rates], width, label=label)
+        for x, rate in zip(xs, rates, strict=True):
+            if cfg != BASELINE and sel[rate]["speedup"] is not None:
+                ax0.annotate(
+                    f"{sel[rate]['speedup']:.1f}x",
+                    (x, sel[rate]["step_s"]),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
     for ax, title in ((ax0, "step time, median (s)"), (ax1, "cross-node MB per step")):
         ax.set_xticks(range(len(rates)), [rate_label(r) for r in rates], rotation=20)
         ax.set_title(title)
         ax.set_ylim(top=ax.get_ylim()[1] * 1.3)  # room for the legend
         ax.legend(loc="upper right", fontsize=8, framealpha=1.0)
-    base = {r["rate"]: r["step_s"] for r in rows if r["config"] == "zero3"}
-    for i, rate in enumerate(rates):
-        for r in rows:
-            if r["rate"] == rate and r["config"] != "zero3" and rate in base:
-                ax0.annotate(
-                    f"{base[rate] / r['step_s']:.1f}x",
-                    (i, base[rate]),
-                    ha="center",
-                    va="bottom",
-                    fontsize=8,
-                )
-    fig.suptitle(meta, fontsize=8)
+    fig.suptitle(textwrap.fill(meta, 160), fontsize=7)
     fig.tight_layout()
     png_path = out_dir / f"{name}.png"
     fig.savefig(png_path, dpi=120)
@@ -315,6 +340,7 @@ def main(argv=None) -> int:
     from zeropp_jax import launch  # after the checks: imports jax
 
     load_before = os.getloadavg()[0]
+    version = source_version()  # before the run: the code the workers import
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started in background
     topo = Topology.for_run(str(os.getpid()))
@@ -365,7 +391,7 @@ def main(argv=None) -> int:
         f"batch {args.batch}; 2 processes x {LOCAL_DEVICES} CPU devices on {os.cpu_count()} "
         f"cores ({platform.machine()}); median of {args.steps} steps after {args.warmup} "
         "warm-up; link shaped with tc tbf in each direction. Load average (1 min) "
-        f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after."
+        f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after. {version}."
     )
     for path in write_results(rows, pathlib.Path(args.out_dir), args.name, meta):
         print(f"wrote {path}")
