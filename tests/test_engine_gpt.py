@@ -11,6 +11,7 @@ import pytest
 from flax.training import train_state
 
 import zeropp_jax as zpp
+from zeropp_jax import placement
 from zeropp_jax.train import data
 from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn
 
@@ -137,8 +138,9 @@ def test_ledger_zeropp_is_about_a_quarter_of_zero3():
 def test_scanned_gpt_ledger_equals_the_unrolled_one(name):
     """`nn.scan` over stacked blocks: each block's gathers and reductions run inside the
     loop (times its trip count) and the forward gathers and gradient reductions send what
-    the unrolled GPT's send (no padding here: every layer's piece divides evenly), with
-    hpZ's backward gathers inside nodes. The backward loop recomputes each layer and
+    the unrolled GPT's send, to within the per-layer vectors gathered whole before the
+    loop (every matrix's per-layer piece divides evenly here), with hpZ's backward gathers
+    inside nodes. The backward loop recomputes each layer and
     re-gathers its matrices; the unrolled backward re-gathers the matrices and the norm
     scales (what its saved activations need), so the scanned backward gathers at most as
     much, less at most the norm scales."""
@@ -161,8 +163,19 @@ def test_scanned_gpt_ledger_equals_the_unrolled_one(name):
     looped = [r for r in out[True].records if r.trip_count > 1 and r.op == "all-gather"]
     assert looped and all(r.trip_count == cfg.n_layers - 1 for r in looped)
     got, want = (out[s].bytes_by("part") for s in (True, False))
-    assert got[("fwd_gather",)] == want[("fwd_gather",)]
-    assert got[("grad_reduce",)] == want[("grad_reduce",)]
+    # The layers' vectors (biases, norm scales) are gathered whole before the loop, their
+    # layer axis padded to the device count: they are the only difference.
+    whole = {
+        part: sum(
+            r.bytes_sent
+            for r in out[True].records
+            if r.part == part and placement.WHOLE_SCOPE in r.op_name
+        )
+        for part in ("fwd_gather", "grad_reduce")
+    }
+    assert whole["fwd_gather"] > 0 and whole["grad_reduce"] > 0
+    for part in ("fwd_gather", "grad_reduce"):
+        assert abs(got[(part,)] - want[(part,)]) <= whole[part], part
     # Vector-sized gathers (at most 4 bytes per value of a d_model vector; every matrix
     # has d_model**2 values or more): the unrolled backward's norm-scale re-gathers.
     scales = sum(

@@ -36,11 +36,16 @@ def test_volume_table_tiny(tmp_path):
     rows = vt.main(["--runs", "32x1@2x4", "--variants", "ZeRO-3,ZeRO++", "--out", str(tmp_path)])
     by = {r["variant"]: r for r in rows}
     z3, zpp_ = by["ZeRO-3"], by["ZeRO++"]
-    # ZeRO-3: three flat collectives over 8 devices, each 7/8 M per device, all cross-node.
+    # ZeRO-3: three flat collectives over 8 devices, all cross-node: the forward gather and
+    # the gradient reduction move 7/8 M per device; the backward re-gathers only what the
+    # gradients need (every matrix and norm scale; not the biases or the position table).
     for part in ("fwd_gather", "bwd_gather", "grad_reduce"):
-        assert z3[f"{part}_cross"] == pytest.approx(7 / 8, rel=0.02)
         assert z3[f"{part}_intra"] == 0
-    assert z3["total"] == pytest.approx(3 * 7 / 8, rel=0.02)
+    for part in ("fwd_gather", "grad_reduce"):
+        assert z3[f"{part}_cross"] == pytest.approx(7 / 8, rel=0.02)
+    assert 0.75 <= z3["bwd_gather_cross"] <= z3["fwd_gather_cross"]
+    parts = ("fwd_gather_cross", "bwd_gather_cross", "grad_reduce_cross")
+    assert z3["total"] == pytest.approx(sum(z3[k] for k in parts), rel=1e-6)
     assert z3["scales"] == 0 and z3["reduction"] == 1
     # ZeRO++: no backward gather across nodes, float32 scales beside the int payloads.
     assert zpp_["bwd_gather_cross"] == 0
