@@ -269,20 +269,29 @@ def _reads_a_gather(body) -> bool:
 
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_prefetch_the_next_layer_is_gathered_before_this_layer_computes(prefetch):
+    """Forward and backward loops: with prefetch, each iteration gathers the layer after
+    (before) its own, and its own layer's matmuls read only what the carry brought."""
     apply, params = lax_model()
     mesh = zpp.make_mesh(2, 4)
     config = zpp.ZeroPPConfig(prefetch=prefetch, **EXACT)
     state = zpp.TrainState.create(apply_fn=apply, params=params, tx=TX, mesh=mesh, config=config)
     jaxpr = jax.make_jaxpr(train_step)(state, data(0)).jaxpr
-    forward = [
-        e.params["jaxpr"].jaxpr
-        for e in _scans(jaxpr)
-        if not e.params["reverse"] and "all_gather" in _kinds(e) and "dot_general" in _kinds(e)
-    ]
-    assert forward
-    for body in forward:
+    loops = {
+        reverse: [
+            e.params["jaxpr"].jaxpr
+            for e in _scans(jaxpr)
+            if e.params["reverse"] == reverse
+            and "all_gather" in _kinds(e)
+            and "dot_general" in _kinds(e)
+        ]
+        for reverse in (False, True)
+    }
+    # The forward loop and the backward loop (a reverse scan) both gather per layer.
+    assert loops[False] and loops[True]
+    for body in loops[False] + loops[True]:
         names = [e.primitive.name for e in body.eqns]
         # The loop body's gather is issued before the layer's first matmul...
         assert names.index("all_gather") < names.index("dot_general")
-        # ...and with prefetch no matmul of the iteration reads it: it is the next layer's.
+        # ...and with prefetch no matmul of the iteration reads it: it is the next layer's
+        # (the previous layer's, in the backward loop).
         assert _reads_a_gather(body) == (not prefetch)

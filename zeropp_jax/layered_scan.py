@@ -129,12 +129,15 @@ def layered_scan(
             d_plain[k] = v
         return dc, d_flats, dcs, d_plain
 
-    def backward_layer(consts, fixed, g_c, g_cs, i, c_in, x_plain, wires, pieces, g_y):
-        wires, pieces = dataflow.tie(g_c, (wires, pieces))
-        flats = [
+    def regather(kept_i, pieces_i, fixed, after):
+        """Layer i's weights for its backward, gathered once `after` exists."""
+        kept_i, pieces_i = dataflow.tie(after, (kept_i, pieces_i))
+        return [
             w if keep else g.gather(leaf, p, w, f, True)
-            for leaf, p, w, f, keep in zip(leaves, pieces, wires, fixed, small, strict=True)
+            for leaf, p, w, f, keep in zip(leaves, pieces_i, kept_i, fixed, small, strict=True)
         ]
+
+    def backward_layer(consts, fixed, g_c, g_cs, i, c_in, x_plain, flats, g_y):
         dc, d_flats, dcs, d_plain = vjp_layer(consts, c_in, x_plain, flats, g_c, g_y)
         d_pieces = [
             g.reduce(leaf, d, f, None, i)[0]
@@ -143,57 +146,85 @@ def layered_scan(
         g_cs = [a + b for a, b in zip(g_cs, dcs, strict=True)]
         return dc, g_cs, d_plain, d_pieces
 
+    def at(tree, i):
+        return jax.tree_util.tree_map(lambda a: a[i], tree)
+
+    def between(tree, lo, hi):
+        return jax.tree_util.tree_map(lambda a: a[lo:hi], tree)
+
     def backward(shards, consts, plain, fixed, saved, g_carry, g_ys):
+        """Layers in reverse; without prefetch each iteration re-gathers its own layer."""
         stacked, last = saved
         g_cs = [jnp.zeros_like(x) for x in consts if dataflow.is_inexact(x)]
-        g_c = g_carry
-        tail = None
-        n_loop = length
         if last is not None:
-            n_loop = length - 1
-            c_in, wires = last
-            k = length - 1
-            g_c, g_cs, d_plain_last, d_pieces_last = backward_layer(
-                consts,
-                fixed,
-                g_c,
-                g_cs,
-                jnp.asarray(k),
-                c_in,
-                [x[k] for x in plain],
-                wires,
-                [s[k] for s in shards],
-                [y[k] for y in g_ys],
+            return backward_prefetched(shards, consts, plain, fixed, saved, g_carry, g_ys, g_cs)
+
+        def iteration(carry, x):
+            g_c, g_cs = carry
+            i, (c_in, kept_i), x_plain, pieces, g_y = x
+            flats = regather(kept_i, pieces, fixed, g_c)
+            g_c, g_cs, dp, dpieces = backward_layer(
+                consts, fixed, g_c, g_cs, i, c_in, x_plain, flats, g_y
             )
-            tail = (d_plain_last, d_pieces_last)
+            return (g_c, g_cs), (dp, dpieces)
+
+        xs = (jnp.arange(length), stacked, plain, shards, g_ys)
+        (g_c, g_cs), (d_plain, d_pieces) = lax.scan(iteration, (g_carry, g_cs), xs, reverse=True)
+        return d_pieces, _consts_cotangent(consts, g_cs), g_c, d_plain
+
+    def backward_prefetched(shards, consts, plain, fixed, saved, g_carry, g_ys, g_cs):
+        """Layer i - 1 is re-gathered once the cotangent reaching layer i exists, before
+        layer i's backward computes; layers L - 1 and 0 run outside the loop."""
+        stacked, (c_last, kept_last) = saved
+        top = length - 1
+
+        def layer_inputs(i):
+            return [x[i] for x in plain], [y[i] for y in g_ys], [s[i] for s in shards]
+
+        x_top, gy_top, pieces_top = layer_inputs(top)
+        flats = regather(kept_last, pieces_top, fixed, g_carry)
+        if length > 1:
+            next_flats = regather(
+                at(stacked[1], top - 1), [s[top - 1] for s in shards], fixed, g_carry
+            )
+        g_c, g_cs, dp_top, dpieces_top = backward_layer(
+            consts, fixed, g_carry, g_cs, jnp.asarray(top), c_last, x_top, flats, gy_top
+        )
+        if length == 1:
+            d_plain = _append(None, dp_top)
+            d_pieces = _append(None, dpieces_top)
+            return d_pieces, _consts_cotangent(consts, g_cs), g_c, d_plain
+        flats = next_flats
         d_plain = d_pieces = None
-        if n_loop:
+        if length > 2:
 
             def iteration(carry, x):
-                g_c, g_cs = carry
-                i, (c_in, wires), x_plain, pieces, g_y = x
+                g_c, g_cs, flats = carry
+                i, c_in, x_plain, g_y, kept_prev, pieces_prev = x
+                prev = regather(kept_prev, pieces_prev, fixed, g_c)
                 g_c, g_cs, dp, dpieces = backward_layer(
-                    consts, fixed, g_c, g_cs, i, c_in, x_plain, wires, pieces, g_y
+                    consts, fixed, g_c, g_cs, i, c_in, x_plain, flats, g_y
                 )
-                return (g_c, g_cs), (dp, dpieces)
+                return (g_c, g_cs, prev), (dp, dpieces)
 
             xs = (
-                jnp.arange(n_loop),
-                stacked,
-                [x[:n_loop] for x in plain],
-                [s[:n_loop] for s in shards],
-                [y[:n_loop] for y in g_ys],
+                jnp.arange(1, top),
+                between(stacked[0], 1, top),
+                [x[1:top] for x in plain],
+                [y[1:top] for y in g_ys],
+                between(stacked[1], 0, top - 1),
+                [s[0 : top - 1] for s in shards],
             )
-            (g_c, g_cs), (d_plain, d_pieces) = lax.scan(iteration, (g_c, g_cs), xs, reverse=True)
-        if tail is not None:
-            d_plain = _append(d_plain, tail[0])
-            d_pieces = _append(d_pieces, tail[1])
-        d_consts = [dataflow.zero_cotangent(x) for x in consts]
-        it = iter(g_cs)
-        for k, x in enumerate(consts):
-            if dataflow.is_inexact(x):
-                d_consts[k] = next(it)
-        return d_pieces, d_consts, g_c, d_plain
+            (g_c, g_cs, flats), (d_plain, d_pieces) = lax.scan(
+                iteration, (g_c, g_cs, flats), xs, reverse=True
+            )
+        x0, gy0, _ = layer_inputs(0)
+        g_c, g_cs, dp0, dpieces0 = backward_layer(
+            consts, fixed, g_c, g_cs, jnp.asarray(0), at(stacked[0], 0), x0, flats, gy0
+        )
+        d_plain = _prepend(dp0, _append(d_plain, dp_top))
+        d_pieces = _prepend(dpieces0, _append(d_pieces, dpieces_top))
+        return d_pieces, _consts_cotangent(consts, g_cs), g_c, d_plain
 
     @jax.custom_vjp
     def run(shards, consts, init, plain, fixed, tie):
@@ -222,6 +253,23 @@ def layered_scan(
     run.defvjp(run_fwd, run_bwd)
     c, ys = run(shards, consts, init, plain, fixed, tie)
     return [*c, *ys]
+
+
+def _consts_cotangent(consts: list[Any], g_cs: list[Any]) -> list[Any]:
+    """Per constant of the scan, its summed cotangent (zero for non-float constants)."""
+    out = [dataflow.zero_cotangent(x) for x in consts]
+    it = iter(g_cs)
+    for k, x in enumerate(consts):
+        if dataflow.is_inexact(x):
+            out[k] = next(it)
+    return out
+
+
+def _prepend(first: Any, stacked: Any) -> Any:
+    """`stacked` (leading axis = iterations) with `first` put before it."""
+    return jax.tree_util.tree_map(
+        lambda x, s: jnp.concatenate([x[None], s], axis=0), first, stacked
+    )
 
 
 def _append(stacked: Any, last: Any) -> Any:

@@ -42,6 +42,9 @@ import tempfile
 import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments"))
+from _common import source_version  # noqa: E402
+
 WORKER = pathlib.Path(__file__).resolve().parent / "cluster_worker.py"
 DEFAULT_OUT = ROOT / "experiments" / "results"
 SUBNET = "10.231.0"  # private; lives only inside the two namespaces
@@ -141,26 +144,6 @@ def worker_commands(topo: Topology, tmp: pathlib.Path, worker_args: list[str]) -
 
 
 # ----------------------------------------------------------------------------- results
-
-
-def source_version() -> str:
-    """`commit <short hash>`, plus the paths that differ from it when the tree is dirty."""
-    env = dict(os.environ, GIT_OPTIONAL_LOCKS="0")  # read-only: never take the index lock
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), *args],
-            capture_output=True, text=True, timeout=10, check=True, env=env,
-        ).stdout  # fmt: skip
-
-    try:
-        head = git("rev-parse", "--short", "HEAD").strip()
-        changed = [line[3:] for line in git("status", "--porcelain", "-uno").splitlines()]
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"commit unknown ({e})"
-    if not changed:
-        return f"commit {head}, clean tree"
-    return f"commit {head}, tree dirty ({', '.join(changed)})"
 
 
 def rate_label(rate: str) -> str:
