@@ -207,7 +207,11 @@ def test_two_hop_node_bits_none_keeps_hop2_exact():
     # (two pieces), so only then do its blocks coincide with the per-piece bound's.
     x = rand((2, 4, 8 * ROWS, COLS), seed=5)[..., :8]
     got = per_device(
-        mesh, lambda s: C.two_hop_reduce_scatter(s, bits=8, block_size=8, node_bits=None), x
+        mesh,
+        lambda s: C.two_hop_reduce_scatter(
+            s, bits=8, block_size=8, node_bits=None, node_block_size=8
+        ),
+        x,
     ).reshape(2, 4, -1)
     # Only the hop-1 half steps remain (hop 2 moves float32 partial sums).
     exact, bound = exact_and_bound(x, 8, 8, None, 8, piece_size=ROWS * 8)
@@ -235,7 +239,7 @@ def test_two_hop_stochastic_rounding_unbiased_and_reproducible(shape):
     # scale's rounding) and the rest at 0.3 of a step, which round to nearest turns into 0.
     x = np.full((nn, ll, n * 2, 8), 0.3, np.float32)
     x[..., 0] = 7.0
-    kw = dict(bits=4, block_size=8, node_bits=8 if nn > 1 and ll > 1 else 4)
+    kw = dict(bits=4, block_size=8, node_bits=8 if nn > 1 and ll > 1 else 4, node_block_size=8)
     draws = _sr_draws(mesh, jnp.asarray(x), jax.random.split(jax.random.key(1), k), **kw)
     exact = np.full(draws.shape[1:], 0.3 * n)
     exact[..., ::8] = 7.0 * n
@@ -269,7 +273,7 @@ def test_hierarchical_gather_with_requantized_stage2(bits, local_bits):
     def fn(s):
         sec, full = C.hierarchical_all_gather(s, bits=bits, block_size=bs, local_bits=local_bits)
         # The stage-1 value of every piece (a gather of the stage-1 secondary shards).
-        ref = C.hierarchical_all_gather(s, bits=bits, block_size=bs)[1]
+        ref = C.hierarchical_all_gather(s, bits=bits, block_size=bs, local_bits=bits)[1]
         return jnp.stack([full, ref])
 
     out = per_device(mesh, fn, x)

@@ -79,7 +79,11 @@ def test_unquantized_gathers_equal_lax(shape, dtype):
         np.testing.assert_array_equal(got, ref)
     got = per_device(mesh, lambda s: C.flat_all_gather(s, bits=None, block_size=8), x)
     sec_full = per_device(
-        mesh, lambda s: jnp.concatenate(C.hierarchical_all_gather(s, bits=None, block_size=8)), x
+        mesh,
+        lambda s: jnp.concatenate(
+            C.hierarchical_all_gather(s, bits=None, block_size=8, local_bits=None)
+        ),
+        x,
     )
     for n in range(nn):
         for l in range(ll):
@@ -104,7 +108,11 @@ def test_quantized_gathers_within_bound(shape, bits, block_size):
     bound = steps / 2 + np.abs(full) * 2.0**-22
     flat = per_device(mesh, lambda s: C.flat_all_gather(s, bits=bits, block_size=block_size), x)
     hier = per_device(
-        mesh, lambda s: C.hierarchical_all_gather(s, bits=bits, block_size=block_size)[1], x
+        mesh,
+        lambda s: C.hierarchical_all_gather(s, bits=bits, block_size=block_size, local_bits=bits)[
+            1
+        ],
+        x,
     )
     for out in (flat, hier):
         err = np.abs(out - full[None, None])
@@ -141,7 +149,8 @@ def test_unquantized_reductions_equal_psum_scatter(shape):
         )
         np.testing.assert_array_equal(got, ref)
     ref = per_device(mesh, lambda s: jax.lax.psum_scatter(s, ("local", "node"), tiled=True), x)
-    for fn in (C.two_hop_reduce_scatter, C.flat_reduce_scatter):
+    two_hop = functools.partial(C.two_hop_reduce_scatter, node_bits=None, node_block_size=8)
+    for fn in (two_hop, C.flat_reduce_scatter):
         got = per_device(mesh, lambda s, f=fn: f(s, bits=None, block_size=8), x)
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
     # 16-bit input travels as uint16 bits and is summed in float32.
@@ -203,7 +212,8 @@ def test_quantized_two_hop_within_bound(shape, bits):
     nn, ll = shape
     n, bs = nn * ll, 8
     x = rand((nn, ll, n * ROWS, COLS), seed=4, heavy=True)
-    got = per_device(mesh, lambda s: C.two_hop_reduce_scatter(s, bits=bits, block_size=bs), x)
+    kw = dict(bits=bits, block_size=bs, node_bits=bits, node_block_size=bs)
+    got = per_device(mesh, lambda s: C.two_hop_reduce_scatter(s, **kw), x)
     got = got.reshape(nn, ll, -1)
     exact = _exact_sums(x, lambda a, b: b * nn + a)
     m = qmax(bits)
@@ -243,8 +253,11 @@ def test_gather_weight_gradient_equals_unsharded(shape, hierarchical):
         hierarchical=hierarchical,
         weight_bits=None,
         weight_block_size=8,
+        weight_stage2_bits=None,
         grad_bits=None,
         grad_block_size=8,
+        grad_hop2_bits=None,
+        grad_hop2_block_size=8,
         two_hop=hierarchical,
         dtype=jnp.dtype(jnp.float32),
     )
@@ -274,7 +287,9 @@ def test_gather_weight_quantized_gradient_within_bound(bits):
         hierarchical=True,
         weight_bits=None,
         weight_block_size=8,
+        weight_stage2_bits=None,
         grad_block_size=8,
+        grad_hop2_block_size=8,
         two_hop=True,
         dtype=jnp.dtype(jnp.float32),
     )
@@ -293,8 +308,8 @@ def test_gather_weight_quantized_gradient_within_bound(bits):
         )
         return np.asarray(jax.jit(jax.grad(lambda w, x: f(w, x).sum()))(w, xs))
 
-    exact = grads(spec(grad_bits=None))
-    quant = grads(spec(grad_bits=bits))
+    exact = grads(spec(grad_bits=None, grad_hop2_bits=None))
+    quant = grads(spec(grad_bits=bits, grad_hop2_bits=bits))
     # d/dw sum(x @ w) is the column sums of x: each device contributes the column sums of
     # its 3 rows. Bound: per hop, half a step per contribution (generously bounded by the
     # largest contribution over the qmax levels) times the 8 contributions and 2 hops.

@@ -104,7 +104,7 @@ def _collectives(codec):
 
     def body(w, g):
         w, g = w[0, 0], g[0, 0]  # per device: a (3, 5) weight shard, a (24, 5) gradient
-        sec, full = C.hierarchical_all_gather(w, bits=8, block_size=8, codec=codec)
+        sec, full = C.hierarchical_all_gather(w, bits=8, block_size=8, local_bits=8, codec=codec)
         out = {
             "all_gather_local": C.all_gather_quantized(
                 w, axis_name="local", bits=4, block_size=8, codec=codec
@@ -114,9 +114,11 @@ def _collectives(codec):
             "flat_gather": C.flat_all_gather(
                 w.astype(jnp.bfloat16), bits=2, block_size=8, codec=codec
             ),
-            "two_hop": C.two_hop_reduce_scatter(g, bits=4, block_size=8, codec=codec),
+            "two_hop": C.two_hop_reduce_scatter(
+                g, bits=4, block_size=8, node_bits=4, node_block_size=8, codec=codec
+            ),
             "two_hop_8_to_2": C.two_hop_reduce_scatter(
-                g, bits=8, node_bits=2, block_size=8, codec=codec
+                g, bits=8, block_size=8, node_bits=2, node_block_size=8, codec=codec
             ),
             "flat_reduce": C.flat_reduce_scatter(g, bits=8, block_size=8, codec=codec),
             "reduce_local": C.reduce_scatter_quantized(

@@ -35,19 +35,18 @@ def per_device(mesh, body, *xs):
 def hop_residuals(shape, bits, node_bits, x):
     """Zero residuals `(r1, r2)` per device for the hops that exist and are quantized."""
     nn, ll = shape
-    hop2 = bits if node_bits == "same" else node_bits
     r1 = jnp.zeros(x.shape, jnp.float32) if ll > 1 and bits is not None else None
-    r2 = jnp.zeros((nn * ROWS, COLS), jnp.float32) if nn > 1 and hop2 is not None else None
+    r2 = jnp.zeros((nn * ROWS, COLS), jnp.float32) if nn > 1 and node_bits is not None else None
     return r1, r2
 
 
 @pytest.mark.parametrize("shape", MESHES)
-@pytest.mark.parametrize("bits,node_bits", [(4, "same"), (2, "same"), (8, 4), (4, None)])
+@pytest.mark.parametrize("bits,node_bits", [(4, 4), (2, 2), (8, 4), (4, None)])
 def test_without_residuals_equals_two_hop_reduce_scatter(shape, bits, node_bits):
     mesh = make_mesh(*shape)
     n = shape[0] * shape[1]
     x = rand((*shape, n * ROWS, COLS), seed=1)
-    kw = dict(bits=bits, block_size=8, node_bits=node_bits)
+    kw = dict(bits=bits, block_size=8, node_bits=node_bits, node_block_size=8)
 
     def body(xs):
         plain = C.two_hop_reduce_scatter(xs[0, 0], **kw)
@@ -60,7 +59,7 @@ def test_without_residuals_equals_two_hop_reduce_scatter(shape, bits, node_bits)
 
 
 @pytest.mark.parametrize("shape", MESHES)
-@pytest.mark.parametrize("bits,node_bits", [(4, "same"), (2, "same"), (8, 2), (4, None)])
+@pytest.mark.parametrize("bits,node_bits", [(4, 4), (2, 2), (8, 2), (4, None)])
 def test_feedback_sums_lose_only_the_last_residuals(shape, bits, node_bits):
     # sum_t out_t = T * exact - (what the last residuals still owe), on every device.
     mesh = make_mesh(*shape)
@@ -68,7 +67,7 @@ def test_feedback_sums_lose_only_the_last_residuals(shape, bits, node_bits):
     n, steps = nn * ll, 6
     x = rand((nn, ll, n * ROWS, COLS), seed=2)
     r1, r2 = hop_residuals(shape, bits, node_bits, x[0, 0])
-    kw = dict(bits=bits, block_size=8, node_bits=node_bits)
+    kw = dict(bits=bits, block_size=8, node_bits=node_bits, node_block_size=8)
 
     def body(xs):
         def step(carry, _):
@@ -107,22 +106,28 @@ def test_feedback_rejects_residuals_it_cannot_use():
 
     def run(r1, r2, **kw):
         def body(xs):
-            return F.two_hop_reduce_scatter_feedback(xs[0, 0], r1, r2, block_size=8, **kw)[0][
-                None, None
-            ]
+            return F.two_hop_reduce_scatter_feedback(
+                xs[0, 0], r1, r2, block_size=8, node_block_size=8, **kw
+            )[0][None, None]
 
         return per_device(mesh, body, x)
 
     with pytest.raises(ValueError, match="unquantized"):
         run(jnp.zeros((8 * ROWS, COLS)), None, bits=None, node_bits=4)
     with pytest.raises(ValueError, match="expected float32"):
-        run(None, jnp.zeros((3, COLS)), bits=4)
+        run(None, jnp.zeros((3, COLS)), bits=4, node_bits=4)
     mesh18 = make_mesh(1, 8)
     with pytest.raises(ValueError, match="no hop 2"):
         jax.jit(
             jax.shard_map(
                 lambda xs: F.two_hop_reduce_scatter_feedback(
-                    xs[0, 0], None, jnp.zeros((ROWS, COLS)), bits=4, block_size=8
+                    xs[0, 0],
+                    None,
+                    jnp.zeros((ROWS, COLS)),
+                    bits=4,
+                    block_size=8,
+                    node_bits=4,
+                    node_block_size=8,
                 )[0][None, None],
                 mesh=mesh18,
                 in_specs=(P("node", "local"),),

@@ -54,7 +54,8 @@ def test_nonfinite_block_stays_in_its_block_through_two_hops(bits, bad):
     bs, rows = 8, 4  # each device's piece is 4 x 4 = 16 values = 2 blocks
     x = np.array(rand((2, 4, 8 * rows, 4), seed=9))
     x[1, 2, 5 * rows, 0] = bad  # device (1, 2): first value of piece 5's first block
-    got = per_device(mesh, lambda s: C.two_hop_reduce_scatter(s, bits=bits, block_size=bs), x)
+    kw = dict(bits=bits, block_size=bs, node_bits=bits, node_block_size=bs)
+    got = per_device(mesh, lambda s: C.two_hop_reduce_scatter(s, **kw), x)
     # Piece 5 is owned by device (n, l) with l * 2 + n = 5: (1, 2).
     for n in range(2):
         for l in range(4):

@@ -73,16 +73,16 @@ def gather_spec(config: ZeroPPConfig, codec: Codec) -> weight_gather.GatherSpec:
         hierarchical=config.hierarchical,
         weight_bits=config.weight_bits,
         weight_block_size=config.weight_block_size,
+        weight_stage2_bits=config.weight_stage2_bits,
         grad_bits=config.grad_bits,
         grad_block_size=config.grad_block_size,
+        grad_hop2_bits=config.grad_hop2_bits,
+        grad_hop2_block_size=config.grad_hop2_block_size,
         two_hop=config.hierarchical
         or config.grad_bits is not None
         or config.grad_hop2_bits is not None,
         dtype=jnp.dtype(config.compute_dtype),
         codec=codec,
-        weight_local_bits=config.weight_local_bits,
-        grad_node_bits=config.grad_node_bits,
-        grad_node_block_size=config.grad_node_block_size,
     )
 
 

@@ -94,7 +94,7 @@ def hierarchical_all_gather(
     *,
     bits: Format | None,
     block_size: int,
-    local_bits: Format | None | str = "same",
+    local_bits: Format | None,
     node_axis: str = "node",
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
@@ -111,7 +111,8 @@ def hierarchical_all_gather(
       bits: format of stage 1 (over `node`): 8, 4, 2, "e4m3", or None (unquantized;
         16-bit floats as uint16 bits).
       block_size: values per quantization block.
-      local_bits: format of stage 2 (over `local`); "same" uses `bits`.
+      local_bits: format of stage 2 (over `local`); `bits` gathers the stage-1 secondary
+        shard as it is.
       node_axis: name of the inter-node mesh axis.
       local_axis: name of the intra-node mesh axis.
       codec: block quantization implementation.
@@ -124,9 +125,8 @@ def hierarchical_all_gather(
     stage2 = requantize_secondary(
         wire, x.shape, x.dtype, bits=bits, local_bits=local_bits, block_size=block_size, codec=codec
     )
-    stage2_bits = bits if local_bits == "same" else local_bits
     full = gather_from_secondary(
-        stage2, x.shape, x.dtype, bits=stage2_bits, local_axis=local_axis, codec=codec
+        stage2, x.shape, x.dtype, bits=local_bits, local_axis=local_axis, codec=codec
     )
     if bits is None:
         secondary = from_wire(wire[0], x.dtype)
@@ -162,13 +162,13 @@ def requantize_secondary(
     dtype: jnp.dtype,
     *,
     bits: Format | None,
-    local_bits: Format | None | str,
+    local_bits: Format | None,
     block_size: int,
     codec: Codec = XLA_CODEC,
 ) -> tuple[jax.Array, ...]:
     """The secondary shard in the wire form of stage 2 (per-hop weight precision).
 
-    `local_bits="same"` (or equal to `bits`) returns `wire` as it is: stage 2 gathers the
+    `local_bits` equal to `bits` returns `wire` as it is: stage 2 gathers the
     quantized secondary shard, one quantization event in all. Any other format dequantizes
     the secondary shard to `dtype` and quantizes it again (each of its `num_nodes` pieces
     in its own blocks), so every weight value goes through a second quantization event
@@ -180,14 +180,14 @@ def requantize_secondary(
       shard_shape: per-device shard shape `(rows, ...)`.
       dtype: compute dtype of the weights.
       bits: format of `wire`.
-      local_bits: format of stage 2, or "same".
+      local_bits: format of stage 2.
       block_size: values per quantization block for stage 2.
       codec: block quantization implementation.
 
     Returns:
       The secondary shard as `secondary_gather` would give it for `local_bits`.
     """
-    if local_bits == "same" or local_bits == bits:
+    if local_bits == bits:
         return wire
     if bits is None:
         secondary = from_wire(wire[0], dtype)
@@ -419,8 +419,8 @@ def two_hop_reduce_scatter(
     *,
     bits: Format | None,
     block_size: int,
-    node_bits: Format | None | str = "same",
-    node_block_size: int | None = None,
+    node_bits: Format | None,
+    node_block_size: int,
     node_axis: str = "node",
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
@@ -439,8 +439,8 @@ def two_hop_reduce_scatter(
       x: per-device gradient `(N * rows, ...)` in partition order.
       bits: format on hop 1 (8, 4, 2, "e4m3") or None for an unquantized hop.
       block_size: values per quantization block on hop 1.
-      node_bits: format on hop 2; "same" uses `bits`.
-      node_block_size: values per quantization block on hop 2; None uses `block_size`.
+      node_bits: format on hop 2 (8, 4, 2, "e4m3") or None for an unquantized hop.
+      node_block_size: values per quantization block on hop 2.
       node_axis: name of the inter-node mesh axis.
       local_axis: name of the intra-node mesh axis.
       codec: block quantization implementation.
@@ -450,9 +450,19 @@ def two_hop_reduce_scatter(
     Returns:
       float32 `(rows, ...)`: the sum over all devices of this device's piece.
     """
-    kw = dict(node_bits=node_bits, node_block_size=node_block_size, codec=codec, key=key)
-    axes = dict(node_axis=node_axis, local_axis=local_axis)
-    return _two_hop(x, None, None, bits=bits, block_size=block_size, **axes, **kw)[0]
+    return _two_hop(
+        x,
+        None,
+        None,
+        bits=bits,
+        block_size=block_size,
+        node_bits=node_bits,
+        node_block_size=node_block_size,
+        node_axis=node_axis,
+        local_axis=local_axis,
+        codec=codec,
+        key=key,
+    )[0]
 
 
 def _two_hop(
@@ -462,8 +472,8 @@ def _two_hop(
     *,
     bits: Format | None,
     block_size: int,
-    node_bits: Format | None | str = "same",
-    node_block_size: int | None = None,
+    node_bits: Format | None,
+    node_block_size: int,
     node_axis: str = "node",
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
@@ -475,8 +485,6 @@ def _two_hop(
     Nones it is the plain reduction; `feedback.two_hop_reduce_scatter_feedback` checks the
     residuals before calling it."""
     nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
-    hop2_bits = bits if node_bits == "same" else node_bits
-    hop2_block = block_size if node_block_size is None else node_block_size
     n = nn * ll
     if x.shape[0] % n:
         raise ValueError(
@@ -515,37 +523,37 @@ def _two_hop(
     fuse = (
         received is not None
         and nn > 1
-        and hop2_bits is not None
+        and node_bits is not None
         and hop2_residual is None
-        and effective_block_size(piece, hop2_block) == bs
+        and effective_block_size(piece, node_block_size) == bs
     )
     if received is not None and not fuse:
         partial = summed()
     if nn == 1:
         return partial.astype(jnp.float32).reshape(rows_shape), new1, None
-    if hop2_bits is None:  # 16-bit values on the wire, summed in float32
+    if node_bits is None:  # 16-bit values on the wire, summed in float32
         out = reduce_scatter_quantized(
             partial.astype(x.dtype).reshape(rows2_shape),
             axis_name=node_axis,
             bits=None,
-            block_size=hop2_block,
+            block_size=node_block_size,
             codec=codec,
         )
         return out.reshape(rows_shape), new1, None
-    check_bits(hop2_bits, hop2_block)
+    check_bits(node_bits, node_block_size)
     if fuse:  # dequantize, sum and re-quantize in one pass, hop 1's blocks kept
         kw = {} if k2 is None else {"key": k2}
         v2, s2 = codec.dequantize_sum_quantize_blocks(
-            *received, bits=bits, out_bits=hop2_bits, **kw
+            *received, bits=bits, out_bits=node_bits, **kw
         )
         v2, s2 = v2.reshape(nn, nbp, -1), s2.reshape(nn, nbp)
     else:  # re-block the partial sums for hop 2, piece by piece
         c2 = partial if hop2_residual is None else partial.astype(jnp.float32) + hop2_residual
-        v2, s2 = _quantize(shard_blocks(c2, nn, hop2_block), hop2_bits, codec, k2)
+        v2, s2 = _quantize(shard_blocks(c2, nn, node_block_size), node_bits, codec, k2)
         if hop2_residual is not None:
-            sent = _dequantize(v2, s2, hop2_bits, jnp.float32, codec)
+            sent = _dequantize(v2, s2, node_bits, jnp.float32, codec)
             new2 = c2 - unblock(sent, rows_shape)
     rv2 = lax.all_to_all(v2, node_axis, 0, 0)
     rs2 = lax.all_to_all(s2, node_axis, 0, 0)
-    out = unblock(codec.dequantize_sum_blocks(rv2, rs2, bits=hop2_bits)[None], rows_shape)
+    out = unblock(codec.dequantize_sum_blocks(rv2, rs2, bits=node_bits)[None], rows_shape)
     return out, new1, new2

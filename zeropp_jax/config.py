@@ -53,6 +53,10 @@ def _check_block_size(field: str, value: Any, optional: bool = False) -> None:
 class ZeroPPConfig:
     """What each ZeRO++ collective sends. Defaults are the paper's ZeRO++.
 
+    The per-hop fields accept "same" (or None for a block size); the properties
+    `weight_stage2_bits`, `grad_hop2_bits` and `grad_hop2_block_size` give each hop's
+    resolved format, which is what everything below the config reads.
+
     Attributes:
       weight_bits: qwZ. Bits per weight value on the weight all-gathers (8, 4 or 2), or None
         to gather unquantized in `compute_dtype`.
@@ -205,7 +209,7 @@ class ZeroPPConfig:
             _fail("error_feedback_reset", reset, "an int >= 0 (0: never reset)")
         if self.error_feedback is None:
             return
-        hop2 = self.grad_bits if self.grad_node_bits == SAME else self.grad_node_bits
+        hop2 = self.grad_hop2_bits
         if self.error_feedback == "node" and hop2 is None:
             _fail(
                 "error_feedback",
@@ -236,6 +240,14 @@ class ZeroPPConfig:
     def grad_hop2_bits(self) -> int | str | None:
         """Format of gradient hop 2 (`grad_node_bits`, with "same" resolved)."""
         return self.grad_bits if self.grad_node_bits == SAME else self.grad_node_bits
+
+    @property
+    def grad_hop2_block_size(self) -> int:
+        """Values per quantization block on gradient hop 2 (`grad_node_block_size`, with
+        None resolved to `grad_block_size`)."""
+        if self.grad_node_block_size is None:
+            return self.grad_block_size
+        return self.grad_node_block_size
 
     @property
     def weight_stage2_bits(self) -> int | str | None:

@@ -46,8 +46,8 @@ def two_hop_reduce_scatter_feedback(
     *,
     bits: Format | None,
     block_size: int,
-    node_bits: Format | None | str = "same",
-    node_block_size: int | None = None,
+    node_bits: Format | None,
+    node_block_size: int,
     node_axis: str = "node",
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
@@ -66,8 +66,8 @@ def two_hop_reduce_scatter_feedback(
       hop2_residual: float32 `(num_nodes * rows, ...)` or None (no feedback on hop 2).
       bits: format on hop 1 (8, 4, 2, "e4m3") or None for an unquantized hop.
       block_size: values per quantization block on hop 1.
-      node_bits: format on hop 2; "same" uses `bits`.
-      node_block_size: values per quantization block on hop 2; None uses `block_size`.
+      node_bits: format on hop 2 (8, 4, 2, "e4m3") or None for an unquantized hop.
+      node_block_size: values per quantization block on hop 2.
       node_axis: name of the inter-node mesh axis.
       local_axis: name of the intra-node mesh axis.
       codec: block quantization implementation.
@@ -82,14 +82,13 @@ def two_hop_reduce_scatter_feedback(
       ValueError: for a residual on an unquantized or absent hop, or of the wrong shape.
     """
     nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
-    hop2_bits = bits if node_bits == "same" else node_bits
     rows = x.shape[0] // (nn * ll)
     if ll == 1 and hop1_residual is not None:
         raise ValueError("two_hop_reduce_scatter_feedback: no hop 1 on a 1-device node.")
     if nn == 1 and hop2_residual is not None:
         raise ValueError("two_hop_reduce_scatter_feedback: no hop 2 on a 1-node mesh.")
     _check_residual("hop-1", hop1_residual, tuple(x.shape), bits)
-    _check_residual("hop-2", hop2_residual, (nn * rows, *x.shape[1:]), hop2_bits)
+    _check_residual("hop-2", hop2_residual, (nn * rows, *x.shape[1:]), node_bits)
     return C._two_hop(
         x,
         hop1_residual,

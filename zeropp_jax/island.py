@@ -298,15 +298,12 @@ class LeafGathers:
         ref = fixed[1]
         if ref is None:
             return weight_gather.secondary_wire(piece, self.spec)
-        return weight_gather.reference_wire(piece, ref, self.spec)[0]
+        return weight_gather.reference_wire(piece, ref, self.spec)
 
     def gather(
         self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, alternate: bool
     ) -> jax.Array:
-        spec = self.spec
-        if fixed[1] is not None:
-            spec = dataclasses.replace(spec, weight_local_bits=weight_gather.local_bits(spec))
-        return weight_gather.gather_from(piece, wire, spec, alternate_form=alternate)
+        return weight_gather.gather_from(piece, wire, self.spec, alternate_form=alternate)
 
     def reduce(
         self, leaf: int, g: jax.Array, fixed: Any, residuals: Any, layer: jax.Array | None
@@ -319,11 +316,7 @@ class LeafGathers:
     def full(
         self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, residuals: Any
     ) -> jax.Array:
-        key, ref = fixed
-        spec = self.spec
-        if ref is not None:
-            spec = dataclasses.replace(spec, weight_local_bits=weight_gather.local_bits(spec))
-        return weight_gather.gather_from_wire(piece, wire, spec, key, residuals or ())
+        return weight_gather.gather_from_wire(piece, wire, self.spec, fixed[0], residuals or ())
 
     def whole(self, leaf: int, piece: jax.Array, fixed: Any, residuals: Any) -> jax.Array:
         key, ref = fixed

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from zeropp_jax import feedback as F
+from zeropp_jax import feedback
 from zeropp_jax.collectives import (
     flat_all_gather,
     flat_reduce_scatter,
@@ -37,39 +38,59 @@ Residuals = tuple[jax.Array | None, jax.Array | None] | tuple[()]
 """`()` (no error feedback) or `(hop1_residual, hop2_residual)`, see `zeropp_jax.feedback`."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GatherSpec:
     """Static description of one differentiable weight gather (hashable).
+
+    Every format is resolved (`choices.gather_spec` reads the config's resolved
+    properties): a format is 8, 4, 2, "e4m3" or None (unquantized).
 
     Attributes:
       hierarchical: two-stage gather through the secondary shard (hpZ) if True, else one
         flat gather over both axes in node-major order (ZeRO-3).
-      weight_bits: bits on the weight gather (qwZ) or None.
-      weight_block_size: values per block on the weight gather.
-      grad_bits: bits on the gradient reduction (qgZ) or None.
-      grad_block_size: values per block on the gradient reduction.
+      weight_bits: format of the weight gather (qwZ): of stage 1 (over `node`) with hpZ,
+        of the flat gather without.
+      weight_block_size: values per quantization block on the weight gather.
+      weight_stage2_bits: format of the second gather stage (over `local`, hpZ only).
+        Equal to `weight_bits`, stage 2 gathers the stage-1 secondary shard as it is; any
+        other format re-quantizes it (see `requantize_secondary`).
+      grad_bits: format of the gradient reduction (qgZ): of hop 1 (over `local`) with
+        the two-hop reduction, of the flat reduce-scatter without.
+      grad_block_size: values per quantization block on gradient hop 1.
+      grad_hop2_bits: format of gradient hop 2 (over `node`, two-hop only); the flat
+        reduction needs it equal to `grad_bits`.
+      grad_hop2_block_size: values per quantization block on gradient hop 2.
       two_hop: reduce gradients in two hops (local, then node) if True, else with one flat
         reduce-scatter over both axes in node-major order.
       dtype: dtype of the gathered weight (the compute dtype).
       codec: block quantization implementation.
-      weight_local_bits: format of the second gather stage (hpZ only); "same" gathers the
-        stage-1 secondary shard as it is, any other value re-quantizes it (see
-        `requantize_secondary`).
-      grad_node_bits: format of gradient hop 2 (two-hop only); "same" uses `grad_bits`.
-      grad_node_block_size: block size of gradient hop 2; None uses `grad_block_size`.
     """
 
     hierarchical: bool
     weight_bits: Format | None
     weight_block_size: int
+    weight_stage2_bits: Format | None
     grad_bits: Format | None
     grad_block_size: int
+    grad_hop2_bits: Format | None
+    grad_hop2_block_size: int
     two_hop: bool
     dtype: jnp.dtype
     codec: Codec = XLA_CODEC
-    weight_local_bits: Format | None | str = "same"
-    grad_node_bits: Format | None | str = "same"
-    grad_node_block_size: int | None = None
+
+    def two_hop_kwargs(self) -> dict[str, Any]:
+        """The keywords of `collectives.two_hop_reduce_scatter` for this reduction.
+
+        The format and block size of both hops, and the codec; the same keywords serve
+        `feedback.two_hop_reduce_scatter_feedback`. Add `key` for stochastic rounding.
+        """
+        return dict(
+            bits=self.grad_bits,
+            block_size=self.grad_block_size,
+            node_bits=self.grad_hop2_bits,
+            node_block_size=self.grad_hop2_block_size,
+            codec=self.codec,
+        )
 
 
 def gather_weight(
@@ -116,8 +137,8 @@ def secondary_wire(x: jax.Array, spec: GatherSpec) -> tuple[jax.Array, ...]:
       spec: what to send.
 
     Returns:
-      The secondary shard as `secondary_gather` gives it (re-quantized for stage 2 when
-      `spec.weight_local_bits` asks for it), or `()`.
+      The secondary shard as `secondary_gather` gives it (re-quantized when
+      `spec.weight_stage2_bits` differs from `spec.weight_bits`), or `()`.
     """
     if not spec.hierarchical:
         return ()
@@ -130,7 +151,7 @@ def secondary_wire(x: jax.Array, spec: GatherSpec) -> tuple[jax.Array, ...]:
         x.shape,
         spec.dtype,
         bits=spec.weight_bits,
-        local_bits=spec.weight_local_bits,
+        local_bits=spec.weight_stage2_bits,
         block_size=spec.weight_block_size,
         codec=spec.codec,
     )
@@ -147,9 +168,9 @@ def gather_weight_from_reference(
     """`gather_weight` for the weight-delta gather (`zeropp_jax.delta`): the secondary
     shard is the kept `reference`, so only the intra-node stage 2 runs here.
 
-    Stage 2 sends the reference in `spec.weight_local_bits` ("same": `spec.weight_bits`,
-    re-quantized from the reference; None: its raw 16-bit values). The cotangent of `x` is
-    the gradient reduction of `gather_weight`; `reference` is not differentiated.
+    Stage 2 sends the reference in `spec.weight_stage2_bits` (quantized from the
+    reference; None: its raw 16-bit values). The cotangent of `x` is the gradient
+    reduction of `gather_weight`; `reference` is not differentiated.
 
     Args:
       x: per-device float32 master shard `(rows, ...)` (differentiated through).
@@ -161,31 +182,25 @@ def gather_weight_from_reference(
     Returns:
       `(N * rows, ...)` in `spec.dtype`.
     """
-    wire, spec = reference_wire(x, reference, spec)
-    return _gather_full(x, wire, key, residuals, spec)
+    return _gather_full(x, reference_wire(x, reference, spec), key, residuals, spec)
 
 
-def reference_wire(
-    x: jax.Array, reference: jax.Array, spec: GatherSpec
-) -> tuple[tuple[jax.Array, ...], GatherSpec]:
-    """The weight-delta reference in the wire form of stage 2, and the spec stage 2 runs
-    with (its format resolved); no communication. Shapes as for
-    `gather_weight_from_reference`."""
+def reference_wire(x: jax.Array, reference: jax.Array, spec: GatherSpec) -> tuple[jax.Array, ...]:
+    """The weight-delta reference in the wire form of stage 2 (`spec.weight_stage2_bits`);
+    no communication. Shapes as for `gather_weight_from_reference`."""
     if not spec.hierarchical:
         raise ValueError("gather_weight_from_reference needs GatherSpec.hierarchical=True.")
-    stage2 = local_bits(spec)
     ref = lax.stop_gradient(reference).astype(spec.dtype)
     wire = requantize_secondary(
         (to_wire(ref),),
         x.shape,
         spec.dtype,
         bits=None,
-        local_bits=stage2,
+        local_bits=spec.weight_stage2_bits,
         block_size=spec.weight_block_size,
         codec=spec.codec,
     )
-    wire = tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
-    return wire, dataclasses.replace(spec, weight_local_bits=stage2)
+    return tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
 
 
 def gather_from_wire(
@@ -201,10 +216,6 @@ def gather_from_wire(
     return _gather_full(x, wire, key, residuals, spec)
 
 
-def local_bits(spec: GatherSpec) -> Format | None:
-    return spec.weight_bits if spec.weight_local_bits == "same" else spec.weight_local_bits
-
-
 def gather_from(
     x: jax.Array, wire: tuple[jax.Array, ...], spec: GatherSpec, alternate_form: bool = False
 ) -> jax.Array:
@@ -216,7 +227,7 @@ def gather_from(
             wire,
             x.shape,
             spec.dtype,
-            bits=local_bits(spec),
+            bits=spec.weight_stage2_bits,
             codec=spec.codec,
             alternate_form=alternate_form,
         )
@@ -280,23 +291,22 @@ def reduce_gradient(
       `(dx, new_residuals)`: the float32 sum over all devices for this device's `(rows,
       ...)`, and the new error-feedback residuals (`()` without them).
     """
-    kw = dict(bits=spec.grad_bits, block_size=spec.grad_block_size, codec=spec.codec)
-    new_residuals: Residuals = ()
     if not spec.two_hop:
-        if key is not None or spec.grad_node_bits != "same" or residuals:
+        if key is not None or spec.grad_hop2_bits != spec.grad_bits or residuals:
             raise ValueError(
-                "stochastic rounding, grad_node_bits and error feedback need the two-hop "
-                "gradient reduction (GatherSpec.two_hop=True)."
+                "stochastic rounding, a hop-2 format other than grad_bits and error feedback "
+                "need the two-hop gradient reduction (GatherSpec.two_hop=True)."
             )
-        dx = flat_reduce_scatter(g, **kw)
-    else:
-        kw.update(node_bits=spec.grad_node_bits, node_block_size=spec.grad_node_block_size, key=key)
-        if residuals:
-            dx, r1, r2 = F.two_hop_reduce_scatter_feedback(g, *residuals, **kw)
-            new_residuals = (r1, r2)
-        else:
-            dx = two_hop_reduce_scatter(g, **kw)
-    return dx, new_residuals
+        dx = flat_reduce_scatter(
+            g, bits=spec.grad_bits, block_size=spec.grad_block_size, codec=spec.codec
+        )
+        return dx, ()
+    if residuals:
+        dx, r1, r2 = feedback.two_hop_reduce_scatter_feedback(
+            g, *residuals, **spec.two_hop_kwargs(), key=key
+        )
+        return dx, (r1, r2)
+    return two_hop_reduce_scatter(g, **spec.two_hop_kwargs(), key=key), ()
 
 
 _gather_full.defvjp(_gather_full_fwd, _gather_full_bwd, optimize_remat=True)
