@@ -1,9 +1,7 @@
-"""What a `ZeroPPConfig` implies for the island: the quantization codec, the gather spec,
-the stochastic-rounding keys and the remat policy of a whole-leaf gather."""
+"""What a `ZeroPPConfig` implies for the island: the quantization codec, the gather spec
+and the stochastic-rounding keys."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -92,17 +90,3 @@ def rounding_key(config: ZeroPPConfig, step: jax.Array, leaf_index: int) -> jax.
     `collectives.hop_keys`): a pure function of `(config.rounding_seed, step, leaf_index)`."""
     key = jax.random.fold_in(jax.random.key(config.rounding_seed), step)
     return jax.random.fold_in(key, leaf_index)
-
-
-def remat_policy(config: ZeroPPConfig) -> Callable[..., bool]:
-    """Save matmul outputs and (with hpZ) the secondary shard; never a full weight.
-
-    The backward pass therefore re-gathers every weight it needs: from the saved secondary
-    shard over `local` only with hpZ, over all devices without.
-    """
-    cp = jax.checkpoint_policies
-    if config.hierarchical:
-        return cp.save_from_both_policies(
-            cp.dots_saveable, cp.save_only_these_names(weight_gather.SECONDARY_NAME)
-        )
-    return cp.dots_saveable

@@ -2,8 +2,9 @@
 
 Global view outside, `shard_map` island inside. `TrainState.create` shards float32 master
 parameters (and so the optax state) over all devices; its `apply_fn` is an island that, on
-each device, gathers every weight (qwZ / hpZ), runs the model on that device's slice of
-the batch, and sends gradients back through the matching reduction (qgZ). The loss,
+each device, runs the model on that device's slice of the batch with each weight gathered
+where it is used (qwZ / hpZ; per layer inside scans, see `zeropp_jax.placement`), and
+sends gradients back through the matching reduction (qgZ). The loss,
 `jax.value_and_grad` and the optax update stay in the global view, so any optax chain keeps
 its single-device meaning.
 """
