@@ -3,8 +3,9 @@
 The same signatures and results as `zeropp_jax.quant`'s functions of those names, for the
 integer formats (8, 4 and 2 bits): the array is flattened and its last block zero-padded in
 plain jnp (`to_blocks`), the blocks go through the `quantize_blocks` / `dequantize_blocks`
-kernels. `QuantizedArray` holds the same fields as `zeropp_jax.quant.QuantizedArray`, so
-either package's `dequantize_blockwise` reads either's result.
+kernels. `QuantizedArray` is defined here and re-exported by `zeropp_jax.quant` (the
+leaf package owns the type), so either package's `dequantize_blockwise` reads either's
+result.
 """
 
 from __future__ import annotations

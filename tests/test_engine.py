@@ -298,14 +298,6 @@ def test_shard_takes_mesh_and_config_from_the_state():
     batches = [data(i) for i in range(2)]
     params = model.init(jax.random.key(0), batches[0]["x"])["params"]
 
-    def step_fn(state, batch):
-        def loss_fn(params):
-            out = state.apply_fn({"params": params}, batch["x"])
-            return jnp.mean((out - batch["y"]) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
     start = zpp.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.adam(1e-2), mesh=mesh, config=config
     )
@@ -317,8 +309,8 @@ def test_shard_takes_mesh_and_config_from_the_state():
             losses.append(np.asarray(m["loss"]))
         return losses, zpp.gather_params(state)
 
-    got_losses, got = run(zpp.shard(step_fn))
-    want_losses, want = run(zpp.shard(step_fn, mesh=mesh, config=config))
+    got_losses, got = run(zpp.shard(train_step))
+    want_losses, want = run(zpp.shard(train_step, mesh=mesh, config=config))
     np.testing.assert_array_equal(got_losses, want_losses)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -37,7 +37,6 @@ class Gathers(Protocol):
     def full(
         self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, residuals: Any
     ) -> jax.Array: ...
-    def whole(self, leaf: int, piece: jax.Array, fixed: Any, residuals: Any) -> jax.Array: ...
 
 
 def tie(to: Any, x: Any) -> Any:

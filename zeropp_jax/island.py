@@ -317,11 +317,3 @@ class LeafGathers:
         self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, residuals: Any
     ) -> jax.Array:
         return weight_gather.gather_from_wire(piece, wire, self.spec, fixed[0], residuals or ())
-
-    def whole(self, leaf: int, piece: jax.Array, fixed: Any, residuals: Any) -> jax.Array:
-        key, ref = fixed
-        if ref is None:
-            return weight_gather.gather_weight(piece, self.spec, key, residuals or ())
-        return weight_gather.gather_weight_from_reference(
-            piece, ref, self.spec, key, residuals or ()
-        )

@@ -33,6 +33,7 @@ it flattened as the device's piece.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -47,6 +48,7 @@ from jax._src.pjit import jit_p
 
 from zeropp_jax import dataflow, layered_scan
 from zeropp_jax import partition as part
+from zeropp_jax.weight_gather import SECONDARY_NAME
 
 CHAIN_PRIMITIVES = frozenset(
     {
@@ -91,7 +93,6 @@ class Context:
     gathers: dataflow.Gathers
     prefetch: bool
     uses: dict[int, int]
-    whole_cache: dict[int, jax.Array] = dataclasses.field(default_factory=dict)
     shared: dict[int, tuple[Any, Any, Any]] = dataclasses.field(default_factory=dict)
     tie: Any = None
     warned: set[tuple[int, str]] = dataclasses.field(default_factory=set)
@@ -221,28 +222,12 @@ def _eval_eqn(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
 
 
 def _materialize(ctx: Context, lz: Lazy, where: str | None) -> jax.Array:
-    """The whole gathered weight of `lz` (cached per leaf); warns unless `where` is None."""
-    g = ctx.gathers
+    """The whole gathered weight of `lz`, gathered once per leaf (see `_shared`); warns
+    unless `where` is None."""
     if where is not None:
         _warn(ctx, lz.leaf, where)
-    if lz.leaf not in ctx.whole_cache:
-        piece = lz.shard.reshape(-1)
-        fixed, res = g.fixed(lz.leaf), g.residuals(lz.leaf)
-        policy = jax.checkpoint_policies.save_only_these_names(*_saved_names())
-
-        def gather(piece, fixed, res):
-            with jax.named_scope(WHOLE_SCOPE):
-                return g.whole(lz.leaf, piece, fixed, res)
-
-        flat = jax.checkpoint(gather, policy=policy)(dataflow.tie(ctx.tie, piece), fixed, res)
-        ctx.whole_cache[lz.leaf] = part.unpiece(flat, g.layout(lz.leaf), g.num_devices)
-    return dataflow.apply_chain(ctx.whole_cache[lz.leaf], lz.chain)
-
-
-def _saved_names() -> tuple[str, ...]:
-    from zeropp_jax.weight_gather import SECONDARY_NAME
-
-    return (SECONDARY_NAME,)
+    flat, _, _ = _shared(ctx, lz, scope=WHOLE_SCOPE)
+    return _full_weight(ctx.gathers, lz, flat)
 
 
 def _checkpointed(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
@@ -252,7 +237,7 @@ def _checkpointed(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[A
     lazy_idx = [i for i, x in enumerate(invals) if isinstance(x, Lazy)]
     shards = [invals[i].shard for i in lazy_idx]
     others = [x for i, x in enumerate(invals) if i not in lazy_idx]
-    names = jax.checkpoint_policies.save_only_these_names(*_saved_names())
+    names = jax.checkpoint_policies.save_only_these_names(SECONDARY_NAME)
     user = eqn.params.get("policy")
     policy = names if user is None else jax.checkpoint_policies.save_from_both_policies(user, names)
 
@@ -262,7 +247,7 @@ def _checkpointed(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[A
             dataclasses.replace(x, shard=next(it_s)) if isinstance(x, Lazy) else next(it_o)
             for x in invals
         ]
-        sub = Context(ctx.gathers, ctx.prefetch, ctx.uses, {}, None, ctx.warned)
+        sub = Context(ctx.gathers, ctx.prefetch, ctx.uses, warned=ctx.warned)
         consts = inner.consts if hasattr(inner, "consts") else ()
         jx = inner.jaxpr if hasattr(inner, "jaxpr") else inner
         return evaluate(jx, consts, args, sub)
@@ -340,16 +325,20 @@ def _at_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], ctx: Con
 # ----------------------------------------------------------------------------- shared use
 
 
-def _shared(ctx: Context, lz: Lazy) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array]:
-    """A weight read by several equations (a tied embedding), gathered once at its first
-    use: `(flat, wire, piece)`. `flat`'s cotangent, summed over the uses, leaves through
-    one gradient reduction."""
+def _shared(
+    ctx: Context, lz: Lazy, scope: str | None = None
+) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array]:
+    """A weight gathered whole once, at its first read (a tied embedding read by several
+    equations, or a read the engine cannot place): `(flat, wire, piece)`. `flat`'s
+    cotangent, summed over its reads, leaves through one gradient reduction. `scope`
+    names the gather's ops (the ledger shows them under it)."""
     g = ctx.gathers
     if lz.leaf not in ctx.shared:
         fixed, res = g.fixed(lz.leaf), g.residuals(lz.leaf)
-        piece = dataflow.tie(ctx.tie, lz.shard.reshape(-1))
-        wire = g.wire(lz.leaf, piece, fixed)
-        flat = g.full(lz.leaf, piece, wire, fixed, res)
+        with jax.named_scope(scope) if scope else contextlib.nullcontext():
+            piece = dataflow.tie(ctx.tie, lz.shard.reshape(-1))
+            wire = g.wire(lz.leaf, piece, fixed)
+            flat = g.full(lz.leaf, piece, wire, fixed, res)
         ctx.shared[lz.leaf] = (flat, wire, lax.stop_gradient(piece))
     return ctx.shared[lz.leaf]
 

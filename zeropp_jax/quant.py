@@ -31,8 +31,6 @@ all-zero block has scale 0 and dequantizes to exact zeros.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -40,6 +38,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.blockwise import QuantizedArray  # one type for both implementations
 
 BITS = (8, 4, 2)
 E4M3 = "e4m3"
@@ -85,41 +85,6 @@ def check_bits(bits: int | str, block_size: int) -> None:
             f"block_size={block_size!r} is not supported for bits={bits}; expected a positive "
             f"int divisible by {per_byte} (values per byte)."
         )
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["values", "scales"],
-    meta_fields=["bits", "block_size", "shape"],
-)
-@dataclasses.dataclass(frozen=True)
-class QuantizedArray:
-    """Block-quantized array.
-
-    Attributes:
-      values: int8 `(num_blocks, block_size)` for 8 bits, packed uint8
-        `(num_blocks, block_size * bits // 8)` for 4 and 2 bits.
-      scales: float32 `(num_blocks,)`.
-      bits: 8, 4 or 2.
-      block_size: values per block.
-      shape: shape of the original array (the last block is zero-padded internally).
-    """
-
-    values: jax.Array
-    scales: jax.Array
-    bits: int
-    block_size: int
-    shape: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        """Number of original values."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of payload plus scales."""
-        return self.values.size * self.values.dtype.itemsize + self.scales.size * 4
 
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
