@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from zeropp_jax import CommLedger, comm_ledger
 from zeropp_jax.hlo_text import parse_replica_groups
-from zeropp_jax.ledger import CollectiveRecord
+from zeropp_jax.ledger import CollectiveRecord, node_traffic
 
 ROWS, COLS = 2, 4  # per-device block of every test input: 2 x 4 elements
 F32_BLOCK = ROWS * COLS * 4  # 32 bytes
@@ -199,6 +199,22 @@ def test_each_collective_op_on_2x4():
     assert ledger.intra_node_bytes == 96
     assert ledger.cross_node_bytes == total - 96
 
+    # Through each node's link, per direction (gloo's algorithms, groups in id order):
+    # the all-to-all's 4 devices send half their 8 bytes to the other node; the ring
+    # all-reduce crosses on 1 edge each way (56 bytes); each permute pair sends 32; the
+    # gathers over 'node' send 8 bytes per device; the reduce-scatter stays inside.
+    per_op = {r.op: r.node_out_bytes for r in ledger.records}
+    assert per_op == {
+        "reduce-scatter": (0.0, 0.0),
+        "all-to-all": (16.0, 16.0),
+        "all-reduce": (56.0, 56.0),
+        "collective-permute": (128.0, 128.0),
+        "all-gather": (32.0, 32.0),
+    }
+    assert ledger.node_link_bytes().tolist() == [[232.0, 232.0], [232.0, 232.0]]
+    assert ledger.link_bytes == 232
+    assert ledger.link_bytes_by("cross_node") == {(False,): 0.0, (True,): 232.0}
+
 
 def test_int8_gather_is_a_quarter_of_float32():
     mesh = make(2, 4)
@@ -207,6 +223,70 @@ def test_int8_gather_is_a_quarter_of_float32():
     i8 = comm_ledger(fn, block_input(mesh, jnp.int8))
     assert f32.records[0].dtype == "float32" and i8.records[0].dtype == "int8"
     assert f32.total_bytes == 32 * 7 and i8.total_bytes == 8 * 7
+
+
+# ---------------------------------------------------------------- bytes per link
+
+NODES = np.array([0, 0, 0, 0, 1, 1, 1, 1])  # 2 nodes x 4 devices, ids in node order
+CONTIGUOUS = [tuple(range(8))]
+INTERLEAVED = [(0, 4, 1, 5, 2, 6, 3, 7)]
+
+
+@pytest.mark.parametrize(
+    "op, groups, links, per_node",
+    [
+        # A ring of 8 in node order crosses on 2 edges (3->4, 7->0), each 7/8 of out.
+        ("all-gather", CONTIGUOUS, "gloo", 70),
+        # In rank order alternating nodes, gloo's ring crosses on all 8 edges ...
+        ("all-gather", INTERLEAVED, "gloo", 4 * 70),
+        # ... NCCL orders its ring node by node, whatever the group's order.
+        ("all-gather", INTERLEAVED, "nccl", 70),
+        ("all-reduce", CONTIGUOUS, "gloo", 2 * 70),
+        # gloo's recursive halving sends 40, 20, 10 bytes at distances 1, 2, 4: only the
+        # last step crosses, 10 bytes from each of a node's 4 devices.
+        ("reduce-scatter", CONTIGUOUS, "gloo", 4 * 10),
+        ("reduce-scatter", CONTIGUOUS, "nccl", 70),
+        # Every device sends 1/8 of its operand to each of the 4 devices of the other node.
+        ("all-to-all", CONTIGUOUS, "gloo", 4 * 4 * 10),
+        ("all-to-all", CONTIGUOUS, "nccl", 4 * 4 * 10),
+        # A pair per device, all across: 4 x 80 each way.
+        ("collective-permute", [(i, (i + 4) % 8) for i in range(8)], "gloo", 4 * 80),
+        # A ring of 6 (not a power of two) reduce-scatters as a ring.
+        ("reduce-scatter", [(0, 1, 2, 4, 5, 6)], "gloo", 80 * 5 / 6),
+    ],
+)
+def test_node_traffic_follows_the_algorithm(op, groups, links, per_node):
+    leaving, entering = node_traffic(op, groups, 80, 80, NODES, links)
+    assert leaving == entering == (per_node, per_node)
+
+
+def test_node_traffic_inside_one_node_and_bad_model():
+    assert node_traffic("all-gather", [(0, 1, 2, 3), (4, 5, 6, 7)], 8, 32, NODES, "gloo") == (
+        (0.0, 0.0),
+        (0.0, 0.0),
+    )
+    with pytest.raises(ValueError, match="links='mpi'"):
+        node_traffic("all-gather", CONTIGUOUS, 8, 64, NODES, "mpi")
+
+
+def test_links_default_and_choice_on_a_real_program():
+    # Gathered over ('local', 'node'), the group's rank order alternates between the nodes.
+    mesh = make(2, 4)
+    fn = island(
+        lambda x: lax.all_gather(x, ("local", "node"), tiled=True),
+        mesh,
+        in_specs=P(("local", "node")),
+        out_specs=P(),
+    )
+    x = jax.device_put(jnp.zeros((8 * ROWS, COLS)), NamedSharding(mesh, P(("local", "node"))))
+    per_edge = 8 * F32_BLOCK * 7 / 8
+    gloo = comm_ledger(fn, x)  # the default on CPU devices
+    assert gloo.records[0].node_out_bytes == (8 / 2 * per_edge,) * 2
+    nccl = comm_ledger(fn, x, links="nccl")
+    assert nccl.link_bytes == per_edge
+    assert gloo.total_bytes == nccl.total_bytes == per_edge  # per device: the same
+    with pytest.raises(ValueError, match="links="):
+        comm_ledger(fn, x, links="tcp")
 
 
 # ------------------------------------------------------------------------- loops
@@ -441,11 +521,13 @@ def test_ledger_sums_and_markdown():
         ledger.bytes_by("colour")
 
     table = ledger.to_markdown()
-    assert table.splitlines()[0].split("|")[-2].strip() == "M"
-    assert "| forward | all-gather | node | int8 | yes | 100 | 0.1000 |" in table
-    assert "| backward | all-gather | local | int8 | no | 600 | 0.6000 |" in table
-    assert "| **total** |  |  |  |  | 1,020 | 1.0200 |" in table
-    assert "| **cross-node** |  |  |  |  | 120 | 0.1200 |" in table
+    head = [cell.strip() for cell in table.splitlines()[0].split("|")[-5:-1]]
+    assert head == ["bytes/device", "M", "bytes/link", "M (link)"]
+    # These records carry no per-node bytes: their link columns are zero.
+    assert "| forward | all-gather | node | int8 | yes | 100 | 0.1000 | 0 | 0.0000 |" in table
+    assert "| backward | all-gather | local | int8 | no | 600 | 0.6000 | 0 | 0.0000 |" in table
+    assert "| **total** |  |  |  |  | 1,020 | 1.0200 | 0 | 0.0000 |" in table
+    assert "| **cross-node** |  |  |  |  | 120 | 0.1200 |  |  |" in table
 
     no_m = CommLedger(records=records)
     assert no_m.model_bytes is None

@@ -15,6 +15,20 @@ Bytes sent per device follow one set of definitions (DESIGN.md, "How we measure"
   * all-reduce: `2 * in * (G - 1) / G * n`
   * collective-permute: `in * n`
 
+Bytes through each node's network link (`CollectiveRecord.node_out_bytes` /
+`node_in_bytes`, `CommLedger.link_bytes`) follow the algorithm the collective library runs
+over the replica group, counting only the device-to-device transfers whose two ends sit on
+different nodes (`links=`, default from the mesh's platform):
+
+  * `'gloo'` (XLA:CPU, what the emulated cluster runs): all-gather and all-reduce are
+    rings in the group's order (`out * (G-1)/G` per edge; all-reduce `2 * in * (G-1)/G`);
+    reduce-scatter is gloo's recursive halving (step `s` sends `in / 2^(s+1)` to the rank
+    `2^s` away; a group whose size is not a power of two is counted as a ring);
+  * `'nccl'` (GPU): the same rings, ordered as NCCL orders them, one node after the other,
+    so a ring crosses each node boundary once; reduce-scatter is a ring too;
+  * both: all-to-all sends `in / G` to every other member of the group, and a
+    collective-permute `in` along each of its source-target pairs.
+
 How the HLO is read:
 
   * Device ids in replica groups are logical ids, i.e. positions in the computation's
@@ -68,6 +82,9 @@ from zeropp_jax.hlo_text import (
 
 PHASES = ("forward", "backward")
 
+LINK_MODELS = ("gloo", "nccl")
+"""Collective algorithms the per-link bytes can follow (`comm_ledger(..., links=)`)."""
+
 PARTS = ("fwd_gather", "bwd_gather", "grad_reduce", "other")
 """The values of `CollectiveRecord.part`."""
 
@@ -95,6 +112,9 @@ class CollectiveRecord:
       phase: `'forward'` or `'backward'`.
       trip_count: product of the trip counts of the enclosing loops (1 if none).
       op_name: the op's name with its call sites prefixed, for reading.
+      node_out_bytes: bytes leaving each node through its network link in one execution,
+        indexed by node (the `node` mesh coordinate, else the process index).
+      node_in_bytes: bytes entering each node through its network link in one execution.
     """
 
     op: str
@@ -107,6 +127,13 @@ class CollectiveRecord:
     phase: str
     trip_count: int = 1
     op_name: str = ""
+    node_out_bytes: tuple[float, ...] = ()
+    node_in_bytes: tuple[float, ...] = ()
+
+    @property
+    def link_bytes(self) -> float:
+        """Bytes through the busiest node link, in its busier direction, over all trips."""
+        return max((*self.node_out_bytes, *self.node_in_bytes), default=0.0) * self.trip_count
 
     @property
     def bytes_sent(self) -> float:
@@ -191,6 +218,44 @@ class CommLedger:
         """Bytes sent per device by collectives that stay inside a node."""
         return sum(r.bytes_sent for r in self.records if not r.cross_node)
 
+    def node_link_bytes(self, records: Iterable[CollectiveRecord] | None = None) -> np.ndarray:
+        """Bytes through each node's network link over the step, per direction.
+
+        Args:
+          records: the records to sum (default: all of the ledger's).
+
+        Returns:
+          float array `(nodes, 2)`: column 0 the bytes leaving the node, column 1 the bytes
+          entering it; `(0, 2)` when no record moves data across nodes.
+        """
+        records = self.records if records is None else tuple(records)
+        width = max((len(r.node_out_bytes) for r in records), default=0)
+        out = np.zeros((width, 2))
+        for r in records:
+            if r.node_out_bytes:
+                out[:, 0] += np.asarray(r.node_out_bytes) * r.trip_count
+                out[:, 1] += np.asarray(r.node_in_bytes) * r.trip_count
+        return out
+
+    @property
+    def link_bytes(self) -> float:
+        """Bytes per step through the busiest node link in its busier direction: what one
+        node's network link carries each way (the emulated cluster's veth counters)."""
+        per_node = self.node_link_bytes()
+        return float(per_node.max()) if per_node.size else 0.0
+
+    def link_bytes_by(self, *keys: str) -> dict[tuple[Any, ...], float]:
+        """`link_bytes` of the records grouped by attributes (keys as in `bytes_by`)."""
+        self.bytes_by(*keys)  # validates the keys
+        groups: dict[tuple[Any, ...], list[CollectiveRecord]] = collections.defaultdict(list)
+        for r in self.records:
+            groups[tuple(getattr(r, k) for k in keys)].append(r)
+        out = {}
+        for key, records in groups.items():
+            per_node = self.node_link_bytes(records)
+            out[key] = float(per_node.max()) if per_node.size else 0.0
+        return out
+
     def bytes_by(self, *keys: str) -> dict[tuple[Any, ...], float]:
         """Sums bytes sent per device, grouped by record attributes.
 
@@ -223,11 +288,14 @@ class CommLedger:
     def to_markdown(self) -> str:
         """A table with one row per (phase, op, axes, dtype), then total / cross / intra rows.
 
-        Bytes are per device for one step; the M column appears only with a parameter count.
+        Bytes are for one step: per device (what each device sends), and per link (what the
+        busiest node link carries in its busier direction). The M columns appear only with
+        a parameter count.
         """
         rows: dict[tuple[Any, ...], float] = collections.defaultdict(float)
         for r in self.records:
             rows[(r.phase, r.op, r.axes, r.dtype, r.cross_node)] += r.bytes_sent
+        links = self.link_bytes_by("phase", "op", "axes", "dtype", "cross_node")
 
         def order(key: tuple[Any, ...]) -> tuple[Any, ...]:
             phase, op, axes, dtype, _ = key
@@ -236,27 +304,34 @@ class CommLedger:
         with_m = self.model_bytes is not None
         head = ["phase", "op", "axes", "dtype", "cross-node", "bytes/device"]
         head += ["M"] if with_m else []
+        head += ["bytes/link"] + (["M (link)"] if with_m else [])
         lines = [
             "| " + " | ".join(head) + " |",
-            "|" + "---|" * 5 + "---:|" + ("---:|" if with_m else ""),
+            "|" + "---|" * 5 + "---:|" * (len(head) - 5),
         ]
 
-        def line(cells: list[str], num_bytes: float) -> str:
-            cells = cells + [_fmt_bytes(num_bytes)]
+        def amount(num_bytes: float | None) -> list[str]:
+            if num_bytes is None:
+                return [""] * (2 if with_m else 1)
+            cells = [_fmt_bytes(num_bytes)]
             if with_m:
                 cells.append(f"{self.in_units_of_M(num_bytes):.4f}")
-            return "| " + " | ".join(cells) + " |"
+            return cells
+
+        def line(cells: list[str], device: float, link: float | None) -> str:
+            return "| " + " | ".join(cells + amount(device) + amount(link)) + " |"
 
         for key in sorted(rows, key=order):
             phase, op, axes, dtype, cross = key
             axes_text = "+".join(axes) if axes else "-"
-            lines.append(line([phase, op, axes_text, dtype, "yes" if cross else "no"], rows[key]))
-        for label, value in (
-            ("total", self.total_bytes),
-            ("cross-node", self.cross_node_bytes),
-            ("intra-node", self.intra_node_bytes),
+            cells = [phase, op, axes_text, dtype, "yes" if cross else "no"]
+            lines.append(line(cells, rows[key], links[key]))
+        for label, value, link in (
+            ("total", self.total_bytes, self.link_bytes),
+            ("cross-node", self.cross_node_bytes, None),
+            ("intra-node", self.intra_node_bytes, None),
         ):
-            lines.append(line([f"**{label}**", "", "", "", ""], value))
+            lines.append(line([f"**{label}**", "", "", "", ""], value, link))
         return "\n".join(lines) + "\n"
 
 
@@ -307,6 +382,99 @@ def crosses_nodes(mesh: Mesh, groups: Sequence[Sequence[int]]) -> bool:
     return any(len({int(nodes[i]) for i in g}) > 1 for g in groups)
 
 
+def _ring(order: Sequence[int], per_edge: float) -> Iterator[tuple[int, int, float]]:
+    """The edges of a ring over `order`, each carrying `per_edge` bytes."""
+    for k, src in enumerate(order):
+        dst = order[(k + 1) % len(order)]
+        if dst != src:
+            yield src, dst, per_edge
+
+
+def _halving(order: Sequence[int], in_bytes: float) -> Iterator[tuple[int, int, float]]:
+    """gloo's recursive-halving reduce-scatter: step s sends in/2^(s+1) to the rank 2^s away."""
+    size = len(order)
+    distance, chunk = 1, in_bytes / 2
+    while distance < size:
+        for rank, src in enumerate(order):
+            yield src, order[rank ^ distance], chunk
+        distance, chunk = distance * 2, chunk / 2
+
+
+def transfers(
+    op: str,
+    groups: Sequence[Sequence[int]],
+    in_bytes: float,
+    out_bytes: float,
+    nodes: np.ndarray,
+    links: str,
+) -> Iterator[tuple[int, int, float]]:
+    """The device-to-device transfers `(source id, target id, bytes)` of one execution.
+
+    Args:
+      op: one of `COLLECTIVE_OPS`.
+      groups: replica groups (logical ids, in rank order); for a collective-permute its
+        `(source, target)` pairs.
+      in_bytes: operand bytes per device.
+      out_bytes: result bytes per device.
+      nodes: node index per logical id (`node_of`).
+      links: one of `LINK_MODELS`: the algorithms to follow (see the module docstring).
+    """
+    if links not in LINK_MODELS:
+        raise ValueError(f"links={links!r}; expected one of {LINK_MODELS}.")
+    if op == "collective-permute":
+        for src, dst in groups:
+            yield src, dst, float(in_bytes)
+        return
+    for group in groups:
+        size = len(group)
+        if size < 2:
+            continue
+        share = (size - 1) / size
+        ring = sorted(group, key=lambda i: int(nodes[i])) if links == "nccl" else list(group)
+        if op == "all-to-all":
+            for src in group:
+                for dst in group:
+                    if dst != src:
+                        yield src, dst, in_bytes / size
+        elif op == "all-gather":
+            yield from _ring(ring, out_bytes * share)
+        elif op == "all-reduce":
+            yield from _ring(ring, 2 * in_bytes * share)
+        elif op == "reduce-scatter":
+            if links == "gloo" and size & (size - 1) == 0:
+                yield from _halving(group, in_bytes)
+            else:
+                yield from _ring(ring, in_bytes * share)
+        else:
+            raise ValueError(f"transfers: op={op!r}; expected one of {COLLECTIVE_OPS}.")
+
+
+def node_traffic(
+    op: str,
+    groups: Sequence[Sequence[int]],
+    in_bytes: float,
+    out_bytes: float,
+    nodes: np.ndarray,
+    links: str,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Bytes leaving and entering each node's network link in one execution of a collective.
+
+    Arguments as for `transfers`. Returns `(out, in)`, each indexed by node.
+    """
+    num_nodes = int(nodes.max()) + 1 if nodes.size else 0
+    leaving, entering = np.zeros(num_nodes), np.zeros(num_nodes)
+    for src, dst, nbytes in transfers(op, groups, in_bytes, out_bytes, nodes, links):
+        if nodes[src] != nodes[dst]:
+            leaving[nodes[src]] += nbytes
+            entering[nodes[dst]] += nbytes
+    return tuple(leaving.tolist()), tuple(entering.tolist())
+
+
+def default_links(mesh: Mesh) -> str:
+    """`'gloo'` for a mesh of CPU devices (XLA:CPU's collectives), else `'nccl'`."""
+    return "gloo" if mesh.devices.flat[0].platform == "cpu" else "nccl"
+
+
 # ------------------------------------------------------------------ phase and loops
 
 
@@ -346,13 +514,16 @@ def _records_of(
     ins: HloInstruction,
     shapes: Mapping[str, str],
     mesh: Mesh,
-) -> Iterator[tuple[str, str, int, int, int, tuple[str, ...], bool]]:
-    """`(op, dtype, in, out, G, axes, cross)` per dtype of one collective, one execution.
+    links: str,
+) -> Iterator[tuple[str, str, int, int, int, tuple[str, ...], bool, tuple, tuple]]:
+    """`(op, dtype, in, out, G, axes, cross, node out, node in)` per dtype of one collective,
+    one execution.
 
     Args:
       ins: the collective.
       shapes: `{instruction name: HLO shape}` of its computation (for operand sizes).
       mesh: the mesh the step runs on.
+      links: one of `LINK_MODELS`, for the per-node link bytes.
     """
     op = ins.opcode.removesuffix("-start")
     ins_by_dtype: dict[str, int] = collections.defaultdict(int)
@@ -377,8 +548,11 @@ def _records_of(
     else:
         for dtype, nbytes in array_shapes(ins.shape):
             outs_by_dtype[dtype] += nbytes
+    nodes = node_of(mesh)
     for dtype in sorted(set(ins_by_dtype) | set(outs_by_dtype)):
-        yield op, dtype, ins_by_dtype[dtype], outs_by_dtype[dtype], size, axes, cross
+        n_in, n_out = ins_by_dtype[dtype], outs_by_dtype[dtype]
+        leaving, entering = node_traffic(op, groups, n_in, n_out, nodes, links)
+        yield op, dtype, n_in, n_out, size, axes, cross, leaving, entering
 
 
 def comm_ledger(
@@ -387,6 +561,7 @@ def comm_ledger(
     mesh: Mesh | None = None,
     param_count: int | None = None,
     compiled: bool = False,
+    links: str | None = None,
     **kwargs: Any,
 ) -> CommLedger:
     """Lowers `fn(*args, **kwargs)` and accounts for every collective it runs.
@@ -405,6 +580,8 @@ def comm_ledger(
       param_count: number of model parameters, defining M = 2 * param_count bytes;
         default: `args[0].param_count` when that is an int, else unknown.
       compiled: read the compiled, optimised program rather than the lowered one.
+      links: the collective algorithms the per-link bytes follow, one of `LINK_MODELS`;
+        default `default_links(mesh)` (gloo on CPU, NCCL elsewhere).
       **kwargs: its keyword arguments.
 
     Returns:
@@ -440,6 +617,11 @@ def comm_ledger(
                 f"arguments ({mesh.devices.tolist()} vs {leaf_mesh.devices.tolist()}); the "
                 "HLO's device ids are positions in the step's own mesh, so pass that one."
             )
+
+    if links is None:
+        links = default_links(mesh)
+    elif links not in LINK_MODELS:
+        raise ValueError(f"comm_ledger: links={links!r}; expected one of {LINK_MODELS}.")
 
     lowered = fn.lower(*args, **kwargs)
     if compiled:
@@ -489,7 +671,8 @@ def comm_ledger(
                     if call.opcode == "while":
                         loop_names = [*_path_names(path[:depth]), call.op_name]
                         trips *= trip_count(call, caller, phase_of(loop_names))
-                for op, dtype, n_in, n_out, size, axes, cross in _records_of(ins, shapes, mesh):
+                for fields in _records_of(ins, shapes, mesh, links):
+                    op, dtype, n_in, n_out, size, axes, cross, leaving, entering = fields
                     records.append(
                         CollectiveRecord(
                             op=op,
@@ -502,6 +685,8 @@ def comm_ledger(
                             phase=phase,
                             trip_count=trips,
                             op_name="/".join(n for n in names if n),
+                            node_out_bytes=leaving,
+                            node_in_bytes=entering,
                         )
                     )
     return CommLedger(records=tuple(records), param_count=param_count)

@@ -60,6 +60,7 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh):
     import optax
 
     import zeropp_jax as zpp
+    from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step
     from zeropp_jax.train.data import batch_sharding, local_rows, make_global_batch
 
     class MLP(nn.Module):
@@ -77,19 +78,8 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh):
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
-    config = {
-        "zero3": zpp.ZeroPPConfig.zero3(),
-        "zero3_noprefetch": zpp.ZeroPPConfig.zero3(prefetch=False),
-        "zeropp": zpp.ZeroPPConfig(),
-        "zeropp_noprefetch": zpp.ZeroPPConfig(prefetch=False),
-        "zeropp_delta4": zpp.ZeroPPConfig(weight_delta_bits=4),
-    }[config_name]
     model = MLP()
     params = model.init(jax.random.key(0), np.zeros((1, width), np.float32))["params"]
-    state = zpp.TrainState.create(
-        apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh, config=config
-    )
-    step = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
     rs = np.random.RandomState(0)
     sharding = batch_sharding(mesh)
     data = {
@@ -97,7 +87,27 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh):
         "y": rs.randn(batch, width).astype(np.float32),
     }
     data = {k: make_global_batch(local_rows(v, sharding), sharding, batch) for k, v in data.items()}
+    if config_name == "xla_fsdp":
+        state = xla_fsdp_state(apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh)
+        return state, xla_fsdp_step(train_step, state, mesh), data
+    config = {
+        "zero3": zpp.ZeroPPConfig.zero3(),
+        "zero3_noprefetch": zpp.ZeroPPConfig.zero3(prefetch=False),
+        "zeropp": zpp.ZeroPPConfig(),
+        "zeropp_noprefetch": zpp.ZeroPPConfig(prefetch=False),
+        "zeropp_delta4": zpp.ZeroPPConfig(weight_delta_bits=4),
+    }[config_name]  # "xla_fsdp" returned above
+    state = zpp.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh, config=config
+    )
+    step = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
     return state, step, data
+
+
+def param_count(state) -> int:
+    import jax
+
+    return sum(int(x.size) for x in jax.tree.leaves(state.params))
 
 
 def main(argv=None) -> int:
@@ -126,10 +136,15 @@ def main(argv=None) -> int:
     names = args.configs.split(",")
     print(f"process {me}: mesh {dict(mesh.shape)}, iface {args.iface}", flush=True)
     shape_link(args.iface, UNLIMITED, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
-    runs, compile_s = {}, {}
+    runs, compile_s, predicted = {}, {}, {}
     for name in names:
         t0 = time.perf_counter()
         state, step, batch = build(name, args.width, args.depth, args.batch, mesh)
+        # What the ledger predicts for the link, from the program XLA compiled.
+        ledger = zpp.comm_ledger(
+            step, state, batch, mesh=mesh, param_count=param_count(state), compiled=True
+        )
+        predicted[name] = ledger.node_link_bytes()[me].tolist()
         multihost_utils.sync_global_devices(f"{name} built")
         state, metrics = step(state, batch)  # compile
         jax.block_until_ready((state, metrics))
@@ -174,7 +189,9 @@ def main(argv=None) -> int:
                     tx_bytes=sent[name],
                     rx_bytes=received[name],
                     steps=args.steps,
-                    params=runs[name][0].param_count,
+                    params=param_count(runs[name][0]),
+                    ledger_tx_bytes=predicted[name][0],
+                    ledger_rx_bytes=predicted[name][1],
                     loss=loss,
                     compile_s=compile_s[name],
                 )

@@ -1,4 +1,4 @@
-"""The emulated two-node cluster: ZeRO-3 against ZeRO++ over a rate-limited link.
+"""The emulated two-node cluster: XLA FSDP, ZeRO-3 and ZeRO++ over a rate-limited link.
 
     sudo python experiments/cluster/run_cluster.py                 # full sweep (minutes)
     sudo python experiments/cluster/run_cluster.py --quick         # smoke run, tiny model
@@ -13,10 +13,12 @@ so each worker runs in its own mount and UTS namespace with its own host name an
 `/etc/hosts`. Addresses exist only inside the namespaces; nothing is sent from or to the
 root namespace.
 
-For each config (`CONFIG_LABELS`: `zpp.ZeroPPConfig.zero3()`, `zpp.ZeroPPConfig()` and
-variants, e.g. with `prefetch=False`) and each rate, the workers time single training steps
-of an MLP (median of `--steps` after `--warmup`) and count the bytes on the veth
-(`/sys/class/net/<if>/statistics`, both directions). Writes
+For each config (`CONFIG_LABELS`: XLA's own FSDP from `zeropp_jax.baselines`,
+`zpp.ZeroPPConfig.zero3()`, `zpp.ZeroPPConfig()` and variants, e.g. with
+`prefetch=False`) and each rate, the workers time single training steps of an MLP (median
+of `--steps` after `--warmup`, the configs alternating step by step), count the bytes on
+the veth (`/sys/class/net/<if>/statistics`, each direction) and set them beside what
+`zpp.comm_ledger(..., compiled=True)` says crosses each node's link. Writes
 `<name>.md`, `<name>.csv` and `<name>.png` into `--out-dir` (default
 `experiments/results`). The namespaces are deleted on every exit path (also on failure,
 Ctrl-C or SIGTERM); the workers are SIGKILLed first.
@@ -50,8 +52,9 @@ DEFAULT_OUT = ROOT / "experiments" / "results"
 SUBNET = "10.231.0"  # private; lives only inside the two namespaces
 COORDINATOR_PORT = 29431  # the namespaces are new, so any port is free there
 LOCAL_DEVICES = 4
-BASELINE = "zero3"  # speedups are over this config at the same rate
+BASELINES = ("xla_fsdp", "zero3")  # speedups are over these configs at the same rate
 CONFIG_LABELS = {
+    "xla_fsdp": "XLA FSDP",
     "zero3": "ZeRO-3",
     "zero3_noprefetch": "ZeRO-3, no prefetch",
     "zeropp": "ZeRO++",
@@ -151,9 +154,9 @@ def rate_label(rate: str) -> str:
 
 
 def summarize(records: list[dict], configs: list[str], rates: list[str]) -> list[dict]:
-    """One row per (rate, config): the slower process's step time per step, median over
-    steps; bytes on the link per step (sent by both sides); speedup over `BASELINE` at the
-    same rate (None when it was not run)."""
+    """One row per (rate, config): the slower process's step time per step, median and
+    range over steps; bytes through the link per step in each direction, measured on the
+    veth and predicted by the ledger; speedups over each of `BASELINES` run at that rate."""
     by = {}
     for r in records:
         by.setdefault((r["config"], r["rate"]), []).append(r)
@@ -164,29 +167,52 @@ def summarize(records: list[dict], configs: list[str], rates: list[str]) -> list
             cfg: [max(ts) for ts in zip(*(r["times_s"] for r in recs), strict=True)]
             for cfg, recs in procs.items()
         }
-        base = statistics.median(per_step[BASELINE]) if BASELINE in per_step else None
+        medians = {cfg: statistics.median(times) for cfg, times in per_step.items()}
         for cfg, recs in procs.items():
-            median = statistics.median(per_step[cfg])
-            link = sum(r["tx_bytes"] for r in recs) / recs[0]["steps"]
-            rows.append(
-                dict(
-                    rate=rate,
-                    config=cfg,
-                    step_s=median,
-                    step_min_s=min(per_step[cfg]),
-                    step_max_s=max(per_step[cfg]),
-                    link_mb_per_step=link / 1e6,
-                    mb_node0_to_node1=recs[0]["tx_bytes"] / recs[0]["steps"] / 1e6,
-                    mb_node1_to_node0=recs[1]["tx_bytes"] / recs[1]["steps"] / 1e6,
-                    link_in_M=link / (2 * recs[0]["params"]),  # M: the model in 16-bit bytes
-                    link_mbit_per_s=link * 8 / 1e6 / median,
-                    speedup=None if base is None else base / median,
-                    steps=recs[0]["steps"],
-                    params=recs[0]["params"],
-                    loss=recs[0]["loss"],
-                )
+            measured = [r["tx_bytes"] / r["steps"] for r in recs]  # per direction
+            ledger = [r["ledger_tx_bytes"] for r in recs]
+            row = dict(
+                rate=rate,
+                config=cfg,
+                step_s=medians[cfg],
+                step_min_s=min(per_step[cfg]),
+                step_max_s=max(per_step[cfg]),
+                mb_node0_to_node1=measured[0] / 1e6,
+                mb_node1_to_node0=measured[1] / 1e6,
+                ledger_mb_node0_to_node1=ledger[0] / 1e6,
+                ledger_mb_node1_to_node0=ledger[1] / 1e6,
+                link_mb_per_step=max(measured) / 1e6,
+                measured_over_ledger=max(measured) / max(ledger) if max(ledger) else None,
+                link_in_M=max(measured) / (2 * recs[0]["params"]),  # M: the model, 16-bit
+                link_mbit_per_s=max(measured) * 8 / 1e6 / medians[cfg],
+                steps=recs[0]["steps"],
+                params=recs[0]["params"],
+                loss=recs[0]["loss"],
             )
+            for base in BASELINES:
+                row[f"speedup_over_{base}"] = (
+                    medians[base] / medians[cfg] if base in medians else None
+                )
+                row[f"spreads_apart_from_{base}"] = (
+                    base in per_step
+                    and base != cfg
+                    and (
+                        max(per_step[cfg]) < min(per_step[base])
+                        or min(per_step[cfg]) > max(per_step[base])
+                    )
+                )
+            rows.append(row)
     return rows
+
+
+def _speedup(row: dict, base: str) -> str:
+    value = row[f"speedup_over_{base}"]
+    if value is None:
+        return "n/a"
+    if row["config"] == base:
+        return "1.00x"
+    overlap = "" if row[f"spreads_apart_from_{base}"] else " (ranges overlap)"
+    return f"{value:.2f}x{overlap}"
 
 
 def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str) -> list[str]:
@@ -199,29 +225,34 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
         writer.writerows(rows)
     paths.append(str(csv_path))
 
+    bases = [b for b in BASELINES if any(r[f"speedup_over_{b}"] is not None for r in rows)]
     head = (
-        "| link rate | config | step time, median (s) | min-max (s) | cross-node MB/step "
-        "| in units of M | speedup |"
+        "| link rate | config | step time, median (s) | min-max (s) | link MB/step, measured "
+        "| ledger | measured / ledger | in units of M | "
+        + " | ".join(f"speedup over {CONFIG_LABELS[b]}" for b in bases)
+        + " |"
     )
-    lines = [f"# Emulated two-node cluster: ZeRO-3 vs ZeRO++\n\n{meta}\n", head]
-    lines.append("|---|---|---:|---:|---:|---:|---:|")
+    lines = [f"# Emulated two-node cluster\n\n{meta}\n", head]
+    lines.append("|---|---|" + "---:|" * (6 + len(bases)))
     for r in rows:
-        speedup = (
-            "1.00x (baseline)"
-            if r["config"] == BASELINE
-            else ("n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x")
-        )
+        ratio = "n/a" if r["measured_over_ledger"] is None else f"{r['measured_over_ledger']:.3f}"
         lines.append(
             f"| {rate_label(r['rate'])} | {CONFIG_LABELS.get(r['config'], r['config'])} | "
             f"{r['step_s']:.3f} | {r['step_min_s']:.3f}-{r['step_max_s']:.3f} | "
-            f"{r['link_mb_per_step']:.1f} | {r['link_in_M']:.2f} | {speedup} |"
+            f"{r['link_mb_per_step']:.2f} | "
+            f"{max(r['ledger_mb_node0_to_node1'], r['ledger_mb_node1_to_node0']):.2f} | "
+            f"{ratio} | {r['link_in_M']:.3f} | " + " | ".join(_speedup(r, b) for b in bases) + " |"
         )
     lines.append(
-        "\nStep time: per step the slower process, median (and range) over the timed steps. "
-        "Cross-node MB/step: bytes sent on the veth pair by both sides (`tx_bytes`), per step, "
-        "collectives and all protocol overhead included; M is the model's size in 16-bit "
-        "bytes (2 x parameters). Speedup: ZeRO-3 step time over "
-        "the config's, at the same rate."
+        "\nStep time: per step the slower process, median (and range) over the timed steps, "
+        "the configs alternating step by step. Link MB/step: bytes one node sends through its "
+        "network link per step (the veth's `tx_bytes`, the busier of the two directions), "
+        "collectives and all protocol overhead (TCP/IP headers, gloo's framing) included. "
+        "Ledger: the same from `zpp.comm_ledger(..., compiled=True)` (bytes through each "
+        "node's link, gloo's algorithms), payload only. M is the model's size in 16-bit bytes "
+        "(2 x parameters). Speedup: the baseline's median step time over the config's, at the "
+        "same rate; '(ranges overlap)' when the two min-max ranges overlap, so the ratio is "
+        "not resolved by these steps."
     )
     md_path = out_dir / f"{name}.md"
     md_path.write_text("\n".join(lines) + "\n")
@@ -246,15 +277,17 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
         ax0.bar(xs, [sel[r]["step_s"] for r in rates], width, label=label)
         ax1.bar(xs, [sel[r]["link_mb_per_step"] for r in rates], width, label=label)
         for x, rate in zip(xs, rates, strict=True):
-            if cfg != BASELINE and sel[rate]["speedup"] is not None:
+            over = [sel[rate][f"speedup_over_{b}"] for b in BASELINES]
+            speedup = next((x for x in over if x is not None), None)
+            if speedup is not None and cfg not in BASELINES:
                 ax0.annotate(
-                    f"{sel[rate]['speedup']:.1f}x",
+                    f"{speedup:.1f}x",
                     (x, sel[rate]["step_s"]),
                     ha="center",
                     va="bottom",
                     fontsize=7,
                 )
-    for ax, title in ((ax0, "step time, median (s)"), (ax1, "cross-node MB per step")):
+    for ax, title in ((ax0, "step time, median (s)"), (ax1, "link MB per step, each way")):
         ax.set_xticks(range(len(rates)), [rate_label(r) for r in rates], rotation=20)
         ax.set_title(title)
         ax.set_ylim(top=ax.get_ylim()[1] * 1.3)  # room for the legend
@@ -275,7 +308,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: tiny MLP, 2 steps")
     p.add_argument("--rates", default=None, help="Mbit/s, comma-separated; inf = no limit")
-    p.add_argument("--configs", default="zero3,zeropp")
+    p.add_argument("--configs", default="xla_fsdp,zero3,zeropp")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per rate (1)")
     p.add_argument("--width", type=int, default=None, help="MLP width (default 1536)")

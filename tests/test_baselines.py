@@ -1,0 +1,123 @@
+"""XLA FSDP (`zeropp_jax.baselines`) and the gradient scale of every engine, against one
+device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+from jax.sharding import PartitionSpec as P
+from test_engine import EXACT, TX, Net, data, max_rel_err, reference, train_step
+
+import zeropp_jax as zpp
+from zeropp_jax.baselines import fsdp_spec, xla_fsdp_state, xla_fsdp_step
+
+ALL = ("node", "local")
+
+
+@pytest.mark.parametrize(
+    "shape, spec",
+    [
+        ((16, 37), P(ALL)),  # the first dimension that divides
+        ((37, 24), P(None, ALL)),
+        ((32, 64), P(None, ALL)),  # the largest one
+        ((4, 64, 16), P(None, ALL)),  # stacked: never the layer axis
+        ((8, 3, 5), P()),  # only the layer axis divides: replicated
+        ((37,), P()),
+        ((), P()),
+    ],
+)
+def test_fsdp_spec(shape, spec):
+    assert fsdp_spec(shape, 8) == spec
+
+
+def _fsdp(params, tx, mesh, compute_dtype=jnp.float32):
+    state = xla_fsdp_state(
+        apply_fn=Net().apply, params=params, tx=tx, mesh=mesh, compute_dtype=compute_dtype
+    )
+    return state, xla_fsdp_step(train_step, state, mesh)
+
+
+def test_xla_fsdp_trains_like_one_device_and_shards_everything():
+    mesh = zpp.make_mesh(2, 4)
+    params = Net().init(jax.random.key(0), data()["x"])["params"]
+    batches = [data(seed=s) for s in range(3)]
+    ref_params, ref_losses = reference(params, TX, batches)
+    state, step = _fsdp(params, TX, mesh)
+    kernel = state.params["Dense_0"]["kernel"]  # (11, 37): no dimension divides by 8
+    assert kernel.sharding.spec == P()
+    mu = state.opt_state[1][0].mu["Dense_1"]["kernel"]  # (37, 19): neither
+    assert mu.sharding.spec == P()
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    assert max_rel_err(state.params, ref_params) <= 1e-5
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def test_xla_fsdp_shards_the_optimizer_state_and_computes_in_bfloat16():
+    mesh = zpp.make_mesh(2, 4)
+    params = {"w": jnp.ones((16, 24)), "b": jnp.zeros((24,))}
+    state = xla_fsdp_state(
+        apply_fn=lambda v, x: x @ v["params"]["w"] + v["params"]["b"],
+        params=params,
+        tx=optax.adam(1e-3),
+        mesh=mesh,
+    )
+    assert state.params["w"].sharding.spec == P(None, ALL)
+    assert state.opt_state[0].mu["w"].sharding.spec == P(None, ALL)
+    assert state.params["w"].dtype == jnp.float32  # the master stays float32
+    # bfloat16 inputs stay bfloat16 only if the float32 weights were cast to it.
+    out = state.apply_fn({"params": state.params}, jnp.ones((8, 16), jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="expected \\('node', 'local'\\)"):
+        xla_fsdp_state(
+            apply_fn=None,
+            params=params,
+            tx=optax.sgd(1.0),
+            mesh=jax.make_mesh((8,), ("data",)),
+        )
+
+
+def _one_device_gradient(params, batch):
+    def loss_fn(p):
+        return jnp.mean((Net().apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+    return jax.jit(jax.grad(loss_fn))(params)
+
+
+@pytest.mark.parametrize("engine", ["xla_fsdp", "zero3", "zeropp_unquantized"])
+def test_gradient_scale_against_one_device(engine):
+    # SGD with learning rate 1 and no clipping: the update is the gradient itself, so a
+    # wrong divisor (the device count, the node count, the batch per device) shows as a
+    # factor, which AdamW's normalisation and clipping would hide.
+    mesh = zpp.make_mesh(2, 4)
+    batch = data(seed=4, batch=32)
+    params = Net().init(jax.random.key(1), batch["x"])["params"]
+    tx = optax.sgd(1.0)
+    if engine == "xla_fsdp":
+        state, step = _fsdp(params, tx, mesh)
+    else:
+        config = (
+            zpp.ZeroPPConfig.zero3(compute_dtype=jnp.float32)
+            if engine == "zero3"
+            else zpp.ZeroPPConfig(**EXACT)
+        )
+        state = zpp.TrainState.create(
+            apply_fn=Net().apply, params=params, tx=tx, mesh=mesh, config=config
+        )
+        step = zpp.shard(train_step, mesh=mesh, config=config)
+    state, _ = step(state, batch)
+    new = state.params if engine == "xla_fsdp" else zpp.gather_params(state)
+    update = jax.tree.map(lambda p, q: np.asarray(p) - np.asarray(q), params, new)
+    assert max_rel_err(update, _one_device_gradient(params, batch)) <= 1e-5
+
+
+def test_reference_is_a_flax_train_state():
+    # The baseline runs the user's train_step on flax's own TrainState, unchanged.
+    mesh = zpp.make_mesh(2, 4)
+    params = Net().init(jax.random.key(0), data()["x"])["params"]
+    state, _ = _fsdp(params, TX, mesh)
+    assert isinstance(state, train_state.TrainState)

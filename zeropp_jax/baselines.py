@@ -1,0 +1,134 @@
+"""XLA's own FSDP: the baseline a JAX user would run instead of this library.
+
+The user's `train_step` under plain `jax.jit`, with the parameters and the optimizer state
+sharded over every device of the mesh (MaxText's FSDP), and the collectives left to XLA:
+its SPMD partitioner chooses them, combines them and schedules them. Nothing here runs a
+collective by hand.
+
+  * The state is a plain `flax.training.train_state.TrainState`, so the same `train_step`
+    runs on it unchanged.
+  * Every leaf is sharded along one dimension over all devices (`fsdp_spec`): for a
+    stacked leaf `(layers, ...)` one of its per-layer dimensions, never the layer axis.
+  * Compute is in `compute_dtype` (bfloat16 by default), as in the engine: the model sees
+    its floating-point weights cast to it; the master weights and the optimizer state stay
+    float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax.partition import BATCH_SPEC
+
+ALL_DEVICES = ("node", "local")
+"""The mesh axes a leaf is sharded over: all of them, in device order."""
+
+
+def fsdp_spec(shape: tuple[int, ...], num_devices: int) -> P:
+    """The `PartitionSpec` that shards a leaf of global `shape` over all devices.
+
+    The dimension is the largest one divisible by `num_devices`, the layer axis (axis 0 of
+    a leaf of rank 3 or more) excluded; a leaf with no such dimension is replicated (the
+    small vectors of a model whose widths are not multiples of the device count).
+    """
+    candidates = range(1 if len(shape) >= 3 else 0, len(shape))
+    fits = [d for d in candidates if shape[d] % num_devices == 0 and shape[d] >= num_devices]
+    if not fits:
+        return P()
+    dim = max(fits, key=lambda d: (shape[d], -d))
+    return P(*([None] * dim), ALL_DEVICES)
+
+
+def cast_floats(tree: Any, dtype: jnp.dtype) -> Any:
+    """`tree` with its floating-point leaves cast to `dtype` (others unchanged)."""
+
+    def cast(x: Any) -> Any:
+        return x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _compute_in(apply_fn: Callable, dtype: jnp.dtype) -> Callable:
+    def apply(variables: Any, *args: Any, **kwargs: Any) -> Any:
+        return apply_fn(cast_floats(variables, dtype), *args, **kwargs)
+
+    apply.__name__ = getattr(apply_fn, "__name__", "apply")
+    return apply
+
+
+def _check_mesh(mesh: Mesh) -> None:
+    if tuple(mesh.axis_names) != ALL_DEVICES:
+        raise ValueError(
+            f"XLA FSDP: mesh axes {tuple(mesh.axis_names)}; expected {ALL_DEVICES} "
+            "(make it with zpp.make_mesh)."
+        )
+
+
+def state_shardings(state: Any, mesh: Mesh) -> Any:
+    """`NamedSharding`s for every array leaf of `state` (concrete or abstract)."""
+    _check_mesh(mesh)
+    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), mesh.size)), state)
+
+
+def xla_fsdp_state(
+    *,
+    apply_fn: Callable,
+    params: Any,
+    tx: Any,
+    mesh: Mesh,
+    compute_dtype: Any = jnp.bfloat16,
+) -> train_state.TrainState:
+    """A flax `TrainState` whose parameters and optimizer state are sharded over all devices.
+
+    Args:
+      apply_fn: the model's apply function, e.g. `model.apply`.
+      params: the parameter tree (global shapes; float32 master weights).
+      tx: an optax `GradientTransformation`.
+      mesh: a `('node', 'local')` mesh (`zpp.make_mesh`).
+      compute_dtype: the dtype the model computes in; its floating weights are cast to it
+        on every call of `state.apply_fn`.
+
+    Returns:
+      The state, each leaf placed with `fsdp_spec` (the optimizer state is created already
+      sharded, under `jax.jit`).
+    """
+    _check_mesh(mesh)
+    dtype = jnp.dtype(compute_dtype)
+
+    def create(p: Any) -> train_state.TrainState:
+        return train_state.TrainState.create(apply_fn=_compute_in(apply_fn, dtype), params=p, tx=tx)
+
+    abstract = jax.eval_shape(create, params)
+    shardings = state_shardings(abstract, mesh)
+    return jax.jit(create, out_shardings=shardings)(params)
+
+
+def xla_fsdp_step(train_step: Callable, state: Any, mesh: Mesh, *, donate_state: bool = True):
+    """`jax.jit(train_step)` with the state sharded as `xla_fsdp_state` places it, the
+    batch split over all devices along its first axis, and the metrics replicated.
+
+    Args:
+      train_step: `(state, batch) -> (state, metrics)`, the user's unchanged step.
+      state: a state from `xla_fsdp_state` (or its abstract shapes): fixes the shardings.
+      mesh: the mesh `state` lives on.
+      donate_state: donate the input state's buffers to the output state.
+
+    Returns:
+      The jitted step (`.lower` works, so `comm_ledger(..., compiled=True)` reads what XLA
+      chose to send).
+    """
+    shardings = state_shardings(state, mesh)
+    return jax.jit(
+        train_step,
+        in_shardings=(shardings, NamedSharding(mesh, BATCH_SPEC)),
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+        donate_argnums=(0,) if donate_state else (),
+    )
