@@ -1,4 +1,4 @@
-"""Prints the ledger table of docs/concepts.md: bytes per device per step, in units of M.
+"""Prints the ledger table of docs/concepts.md: bytes per step, in units of M.
 
     python docs/ledger_table.py                      # the table in docs/concepts.md
     python docs/ledger_table.py --d-model 256 --n-layers 4 --mesh 4x2
@@ -8,9 +8,13 @@ emulated `node x local` mesh of CPU devices, reads its ledger (`zpp.comm_ledger`
 collective of the lowered step, its mesh axes and phase) and sums the bytes each device
 sends into: the forward weight gather, the backward weight gather and the gradient
 reduction, each split into cross-node and intra-node, plus everything else (the loss and
-gradient-norm all-reduces). M is the model in 16-bit bytes (2 bytes per parameter); a
-collective over G devices sends (G - 1) / G of its data per device, so plain ZeRO-3 on 8
-devices is 3 x 7/8 = 2.625 M, not 3 M. Only the lowering runs; nothing is trained.
+gradient-norm all-reduces); then the bytes through each node's network link in one
+direction (`CommLedger.link_bytes`), the number that meets the network. M is the model in
+16-bit bytes (2 bytes per parameter); a collective over G devices sends (G - 1) / G of its
+data per device, so plain ZeRO-3 on 8 devices is 3 x 7/8 = 2.625 M, not 3 M. The first
+row is XLA's own FSDP (`zeropp_jax.baselines`), read from the program XLA:CPU compiled
+(its collectives exist only after compilation); the others are read as lowered. Nothing is
+trained.
 """
 
 from __future__ import annotations
@@ -30,9 +34,13 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
+from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step  # noqa: E402
 from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn  # noqa: E402
 
+XLA_FSDP = "XLA FSDP (`jax.jit`, compiled for CPU)"
+
 CONFIGS = {
+    XLA_FSDP: None,
     "`ZeroPPConfig.zero3()`": zpp.ZeroPPConfig.zero3(),
     "qwZ only: `weight_bits=8, hierarchical=False, grad_bits=None`": zpp.ZeroPPConfig(
         hierarchical=False, grad_bits=None
@@ -47,7 +55,7 @@ CONFIGS = {
     "`ZeroPPConfig(weight_bits=4)`": zpp.ZeroPPConfig(weight_bits=4),
     "`ZeroPPConfig(grad_bits=8)`": zpp.ZeroPPConfig(grad_bits=8),
 }
-"""Label -> configuration, one table row each."""
+"""Label -> configuration, one table row each (None: XLA's FSDP)."""
 
 COLUMNS = (
     ("fwd_gather", "cross", "forward gather, cross-node"),
@@ -68,11 +76,21 @@ def _train_step(state, batch):
 
 
 def step_ledger(
-    config: zpp.ZeroPPConfig, d_model: int, n_layers: int, mesh_shape
+    config: zpp.ZeroPPConfig | None, d_model: int, n_layers: int, mesh_shape
 ) -> zpp.CommLedger:
-    """The ledger of one AdamW step of a GPT (`d_model`, `n_layers`, seq 32) on a mesh."""
+    """The ledger of one AdamW step of a GPT (`d_model`, `n_layers`, seq 32) on a mesh;
+    `config=None` for XLA's FSDP."""
     mesh = zpp.make_mesh(*mesh_shape)
     gpt = GPTConfig(seq_len=32, d_model=d_model, n_layers=n_layers, n_heads=4)
+    batch = np.zeros((mesh.size, gpt.seq_len + 1), np.int32)
+    if config is None:
+        params = init_params(gpt, 0)
+        state = xla_fsdp_state(
+            apply_fn=GPT(gpt).apply, params=params, tx=optax.adamw(1e-3), mesh=mesh
+        )
+        step = xla_fsdp_step(_train_step, state, mesh)
+        count = sum(int(x.size) for x in jax.tree.leaves(params))
+        return zpp.comm_ledger(step, state, batch, param_count=count, compiled=True)
     state = zpp.TrainState.create(
         apply_fn=GPT(gpt).apply,
         params=init_params(gpt, 0),
@@ -81,7 +99,6 @@ def step_ledger(
         config=config,
     )
     step = zpp.shard(_train_step, mesh=mesh, config=config)
-    batch = np.zeros((mesh.size, gpt.seq_len + 1), np.int32)
     return zpp.comm_ledger(step, state, batch)
 
 
@@ -97,7 +114,7 @@ def row(ledger: zpp.CommLedger) -> dict[tuple[str, str | None], float]:
 
 def table(d_model: int = 64, n_layers: int = 2, mesh_shape=(2, 4)) -> str:
     """The markdown table (with a caption line naming the model and mesh)."""
-    head = ["configuration", *(title for _, _, title in COLUMNS), "**cross-node**", "total"]
+    head = ["configuration", *(title for _, _, title in COLUMNS), "total", "**per node link**"]
     lines = [
         "| " + " | ".join(head) + " |",
         "|---|" + "---:|" * (len(head) - 1),
@@ -108,13 +125,16 @@ def table(d_model: int = 64, n_layers: int = 2, mesh_shape=(2, 4)) -> str:
         params = ledger.param_count
         values = row(ledger)
         cells = [f"{values[(p, w)]:.3f}" for p, w, _ in COLUMNS]
-        cross = ledger.in_units_of_M(ledger.cross_node_bytes)
+        link = ledger.in_units_of_M(ledger.link_bytes)
         total = ledger.in_units_of_M(ledger.total_bytes)
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | **{cross:.3f}** | {total:.3f} |")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {total:.3f} | **{link:.3f}** |")
     caption = (
-        f"Bytes sent per device in one training step, in units of M, for the trainer's GPT "
-        f"(d_model {d_model}, {n_layers} layers, {params:,} parameters) on a "
-        f"{mesh_shape[0]} x {mesh_shape[1]} `('node', 'local')` mesh, AdamW, block size 256."
+        f"Bytes per step in units of M for the trainer's GPT (d_model {d_model}, {n_layers} "
+        f"layers, {params:,} parameters) on a {mesh_shape[0]} x {mesh_shape[1]} "
+        "`('node', 'local')` mesh, AdamW, block size 256: sent per device by each part of "
+        "the step (cross-node: by collectives whose group spans nodes), and through each "
+        "node's network link in one direction (gloo's algorithms, what the emulated "
+        "cluster's veth counts)."
     )
     return caption + "\n\n" + "\n".join(lines) + "\n"
 

@@ -11,7 +11,6 @@ import datetime
 import os
 import pathlib
 import platform
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,22 +44,9 @@ def machine_line() -> str:
 
 def source_version() -> str:
     """`commit <short hash>`, plus the paths that differ from it when the tree is dirty."""
-    env = dict(os.environ, GIT_OPTIONAL_LOCKS="0")  # read-only: never take the index lock
+    from zeropp_jax.provenance import describe, provenance
 
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), *args],
-            capture_output=True, text=True, timeout=10, check=True, env=env,
-        ).stdout  # fmt: skip
-
-    try:
-        head = git("rev-parse", "--short", "HEAD").strip()
-        changed = [line[3:] for line in git("status", "--porcelain", "-uno").splitlines()]
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"commit unknown ({e})"
-    if not changed:
-        return f"commit {head}, clean tree"
-    return f"commit {head}, tree dirty ({', '.join(changed)})"
+    return describe(provenance())
 
 
 def markdown_table(head: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:

@@ -599,7 +599,7 @@ def test_part_of_each_collective_of_a_training_step():
         ("all-to-all", "forward", "other"),
         ("collective-permute", "forward", "other"),
         ("all-reduce", "forward", "other"),
-        ("all-reduce", "backward", "other"),
+        ("all-reduce", "backward", "grad_reduce"),
     ],
 )
 def test_part_rule(op, phase, part):

@@ -88,7 +88,7 @@ LINK_MODELS = ("gloo", "nccl")
 PARTS = ("fwd_gather", "bwd_gather", "grad_reduce", "other")
 """The values of `CollectiveRecord.part`."""
 
-_GRAD_REDUCE_OPS = ("reduce-scatter", "all-to-all", "collective-permute")
+_GRAD_REDUCE_OPS = ("reduce-scatter", "all-to-all", "collective-permute", "all-reduce")
 
 _BACKWARD_RE = re.compile(r"(?:^|[/(])(?:transpose\(|rematted_computation(?:/|$))")
 
@@ -149,9 +149,10 @@ class CollectiveRecord:
         Returns:
           `'fwd_gather'` for a forward all-gather (the weight gather of the forward pass),
           `'bwd_gather'` for a backward all-gather (the weights gathered again for the
-          backward pass), `'grad_reduce'` for a backward reduce-scatter, all-to-all or
-          collective-permute (the gradient reduction; ZeRO-3's ring is collective-permutes),
-          and `'other'` for the rest (all-reduces such as the loss, forward reductions).
+          backward pass), `'grad_reduce'` for a backward reduce-scatter, all-to-all,
+          collective-permute or all-reduce (the gradient reduction; ZeRO-3's ring is
+          collective-permutes, XLA's FSDP on CPU all-reduces), and `'other'` for the rest
+          (forward reductions such as the loss, the gradient norm, XLA's own choices).
         """
         if self.op == "all-gather":
             return "fwd_gather" if self.phase == "forward" else "bwd_gather"

@@ -28,6 +28,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from zeropp_jax.provenance import provenance
 from zeropp_jax.train.flags import PROG, UsageError, parse_args, zeropp_config
 
 # Arguments that fix the model and the data order: a resumed run must repeat them.
@@ -254,7 +255,8 @@ def _check_resume(out: str, args: argparse.Namespace) -> None:
 
 def ledger_table(ledgers: dict[str, Any]) -> str:
     """Side-by-side table of per-device bytes per step in units of M, one column per
-    ledger, one row per (phase, collective, mesh axes)."""
+    ledger, one row per (phase, collective, mesh axes); then the totals per device and
+    through the busiest node's network link in one direction."""
     rows: dict[tuple, dict[str, float]] = {}
     for name, ledger in ledgers.items():
         for (phase, op, axes), num in ledger.bytes_by("phase", "op", "axes").items():
@@ -269,7 +271,10 @@ def ledger_table(ledgers: dict[str, Any]) -> str:
         lines.append(
             f"{label:<{width}}" + "".join(f"{rows[key].get(n, 0.0):>9.3f}M" for n in names)
         )
-    for label, attr in (("total", "total_bytes"), ("cross-node", "cross_node_bytes")):
+    for label, attr in (
+        ("total per device", "total_bytes"),
+        ("per node link, each way", "link_bytes"),
+    ):
         lines.append(
             f"{label:<{width}}"
             + "".join(
@@ -360,9 +365,23 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
     model = GPT(gpt)
     params = init_params(gpt, args.seed)
     param_count = sum(int(x.size) for x in jax.tree.leaves(params))
-    state = zpp.TrainState.create(
-        apply_fn=model.apply, params=params, tx=make_optimizer(args), mesh=mesh, config=config
-    )
+    if args.engine == "xla-fsdp":
+        from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step
+
+        config = None
+        state = xla_fsdp_state(
+            apply_fn=model.apply,
+            params=params,
+            tx=make_optimizer(args),
+            mesh=mesh,
+            compute_dtype=args.compute_dtype,
+        )
+        step_fn = xla_fsdp_step(train_step, state, mesh)
+    else:
+        state = zpp.TrainState.create(
+            apply_fn=model.apply, params=params, tx=make_optimizer(args), mesh=mesh, config=config
+        )
+        step_fn = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
     start = 0
     if args.resume:
         latest = latest_checkpoint(out)
@@ -386,7 +405,6 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
     ]
     # Compile ahead of time here, so that a config the engine rejects at trace time is
     # reported like any other bad flag.
-    step_fn = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
     lowered_step = step_fn.lower(state, eval_set[0])
     compiled_step = lowered_step.compile()
     compiled_eval = jax.jit(eval_loss).lower(state, eval_set[0]).compile()
@@ -395,6 +413,13 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
         os.makedirs(out, exist_ok=True)
         record = {k: v for k, v in vars(args).items()}
         record.update(param_count=param_count, devices=n_dev, mesh=dict(mesh.shape))
+        # The code of this process; a resumed run keeps the code of its earlier parts.
+        record["provenance"] = provenance()
+        if args.resume:
+            with open(os.path.join(out, "run.json")) as f:
+                saved = json.load(f)
+            earlier = saved.get("earlier_provenance", [])
+            record["earlier_provenance"] = earlier + [saved.get("provenance")]
         with open(os.path.join(out, "run.json"), "w") as f:
             json.dump(record, f, indent=1)
     return _Run(
@@ -446,7 +471,7 @@ def _train(run: _Run) -> None:
     saved = set()
 
     def save(step: int) -> None:  # every process takes part
-        if step not in saved:
+        if step not in saved and args.engine != "xla-fsdp":
             zpp.save_checkpoint(os.path.abspath(checkpoint_path(run.out, step)), state)
             saved.add(step)
 
@@ -511,7 +536,7 @@ def _train(run: _Run) -> None:
         ledger_m = {
             name: {
                 "total_M": lg.in_units_of_M(lg.total_bytes),
-                "cross_node_M": lg.in_units_of_M(lg.cross_node_bytes),
+                "link_M": lg.in_units_of_M(lg.link_bytes),
             }
             for name, lg in ledgers.items()
         }
@@ -535,7 +560,11 @@ def _train(run: _Run) -> None:
             f"({data.bits(val_loss):.3f} bits); unigram entropy {run.entropy:.4f} nats "
             f"({data.bits(run.entropy):.3f} bits)",
             f"{rate:,.0f} tokens/s (first step excluded), wall time {wall:.1f} s, "
-            f"checkpoint {checkpoint_path(run.out, args.steps)}",
+            + (
+                "no checkpoint (--engine xla-fsdp)"
+                if args.engine == "xla-fsdp"
+                else f"checkpoint {checkpoint_path(run.out, args.steps)}"
+            ),
         ]
         if ledger_text:
             lines += [
@@ -549,6 +578,8 @@ def _train(run: _Run) -> None:
 
 
 def _config_text(config) -> str:
+    if config is None:
+        return "XLA FSDP (jax.jit, parameters and optimizer state sharded over all devices)"
     if config.is_zero3:
         return f"ZeRO-3 ({config.compute_dtype.name})"
     return (
@@ -570,9 +601,20 @@ class _Prelowered:
 
 
 def _ledgers(run: _Run, batch) -> dict[str, Any]:
-    """Ledgers of one step of this config and of plain ZeRO-3 (lowered only, not run)."""
+    """Ledgers of one step of this config and of plain ZeRO-3 (not run). The engine's own
+    program is read as lowered; XLA FSDP's collectives exist only once XLA compiled it."""
     import zeropp_jax as zpp
 
+    if run.config is None:
+        return {
+            "XLA FSDP": zpp.comm_ledger(
+                _Prelowered(run.lowered_step),
+                batch,
+                mesh=run.mesh,
+                param_count=run.param_count,
+                compiled=True,
+            )
+        }
     name = "ZeRO-3" if run.config.is_zero3 else "ZeRO++"
     ledgers = {
         name: zpp.comm_ledger(

@@ -14,6 +14,9 @@ from zeropp_jax.config import KERNELS
 
 PROG = "zeropp-train"
 
+ENGINES = ("zeropp", "zero3", "xla-fsdp")
+"""The values of `--engine`."""
+
 
 class UsageError(Exception):
     """A bad flag or flag combination: reported as one line, exit status 2."""
@@ -211,7 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="plain ZeRO-3 baseline: no quantization, no secondary shard "
         "(overrides --weight-bits, --grad-bits, --grad-node-bits, --weight-local-bits, "
-        "--weight-delta-bits, --error-feedback, --no-hierarchical)",
+        "--weight-delta-bits, --error-feedback, --no-hierarchical); the same as --engine zero3",
+    )
+    g.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=None,
+        help="zeropp (this library, as the flags above configure it), zero3 (this "
+        "library's plain ZeRO-3) or xla-fsdp (the same train_step under jax.jit with "
+        "parameters and optimizer state sharded over all devices, XLA's collectives; "
+        "writes no checkpoints) (zeropp)",
     )
 
     g = p.add_argument_group("output and checkpoints")
@@ -250,6 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses and checks flags that need no devices. Raises `UsageError`."""
     args = build_parser().parse_args(argv)
+    if args.zero3 and args.engine not in (None, "zero3"):
+        raise UsageError(f"--zero3 and --engine {args.engine} disagree; give one of them")
+    args.engine = "zero3" if args.zero3 else (args.engine or "zeropp")
+    args.zero3 = args.engine == "zero3"
+    if args.engine == "xla-fsdp" and args.resume:
+        raise UsageError(
+            "--engine xla-fsdp is a comparison baseline and writes no checkpoints, so there "
+            "is nothing to --resume; use --engine zeropp or zero3"
+        )
     if args.zero3:
         args.weight_bits, args.grad_bits, args.no_hierarchical = None, None, True
         args.grad_node_bits, args.weight_delta_bits = "same", None
