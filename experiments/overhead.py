@@ -1,11 +1,14 @@
-"""Compute overhead of ZeRO++ on emulated CPU devices, no link limit (issue #12).
+"""Compute overhead of ZeRO++ on emulated CPU devices, no link limit.
 
-Times the same MLP's training step under ZeRO-3, each ZeRO++ technique alone and full
-ZeRO++, interleaved round by round (so machine noise hits every variant alike), and prints
-medians and the ratio to ZeRO-3. Then breaks the ZeRO++ step down by timing its stages on
-one device's share of the data: quantize (incl. packing), dequantize (incl. unpacking), the
-fused dequantize-sum(-requantize) of each gradient hop, and the model's own compute
-(forward + backward on one device's batch slice with full weights).
+Times the same MLP's training step under XLA's own FSDP (`zeropp_jax.baselines`), ZeRO-3,
+each ZeRO++ technique alone and full ZeRO++, interleaved round by round (so machine noise
+hits every variant alike), and prints each variant's median step time with its min-max
+range over the rounds. A ratio to a baseline is printed only where the two ranges do not
+overlap; otherwise the table says the rounds do not resolve it. Then breaks the ZeRO++
+step down by timing its stages on one device's share of the data: quantize (incl.
+packing), dequantize (incl. unpacking), the fused dequantize-sum(-requantize) of each
+gradient hop, and the model's own compute (forward + backward on one device's batch slice
+with full weights).
 
     python experiments/overhead.py                 # sizes 4M and 12M parameters
     python experiments/overhead.py --quick         # tiny smoke run
@@ -17,7 +20,14 @@ import argparse
 import statistics
 import time
 
-from _common import RESULTS, machine_line, markdown_table, request_cpu_devices, write_csv
+from _common import (
+    RESULTS,
+    machine_line,
+    markdown_table,
+    request_cpu_devices,
+    source_version,
+    write_csv,
+)
 
 request_cpu_devices(8)
 
@@ -29,8 +39,23 @@ import optax  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
 from zeropp_jax import quant  # noqa: E402
+from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step  # noqa: E402
+
+BASELINES = ("XLA FSDP", "ZeRO-3")
+"""Variants the others are compared with."""
+
+
+def ratio(times: list[float], base: list[float]) -> str:
+    """`median / base median`, or why not: only where the min-max ranges do not overlap."""
+    if times is base:
+        return "1"
+    if min(times) <= max(base) and min(base) <= max(times):
+        return "ranges overlap"
+    return f"{statistics.median(times) / statistics.median(base):.3f}"
+
 
 VARIANTS = {
+    "XLA FSDP": None,
     "ZeRO-3": zpp.ZeroPPConfig.zero3(),
     "qwZ only": zpp.ZeroPPConfig(weight_bits=8, hierarchical=False, grad_bits=None),
     "hpZ only": zpp.ZeroPPConfig(weight_bits=None, hierarchical=True, grad_bits=None),
@@ -72,10 +97,16 @@ def step_times(width: int, depth: int, batch: int, rounds: int) -> dict[str, lis
     params = model.init(jax.random.key(0), x)["params"]
     runs = {}
     for name, config in VARIANTS.items():
-        state = zpp.TrainState.create(
-            apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh, config=config
-        )
-        step = zpp.shard(train_step, mesh=mesh, config=config)
+        if config is None:
+            state = xla_fsdp_state(
+                apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh
+            )
+            step = xla_fsdp_step(train_step, state, mesh)
+        else:
+            state = zpp.TrainState.create(
+                apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh, config=config
+            )
+            step = zpp.shard(train_step, mesh=mesh, config=config)
         state, _ = step(state, x)  # compile + warm-up
         runs[name] = [step, state]
     times = {name: [] for name in VARIANTS}
@@ -133,7 +164,7 @@ def stage_times(width: int, depth: int, batch: int, repeats: int) -> dict[str, f
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     sizes = [(256, 2, 16)] if args.quick else [(1024, 4, 64), (1536, 5, 64)]
@@ -143,17 +174,17 @@ def main(argv=None) -> None:
     for width, depth, batch in sizes:
         params_m = depth * (width * width + width) / 1e6
         times = step_times(width, depth, batch, rounds)
-        base = statistics.median(times["ZeRO-3"])
         for name, ts in times.items():
-            med = statistics.median(ts)
-            rows.append(
-                {
-                    "model": f"MLP {depth}x{width} ({params_m:.1f}M)",
-                    "variant": name,
-                    "step_s_median": round(med, 4),
-                    "ratio_to_zero3": round(med / base, 3),
-                }
-            )
+            row = {
+                "model": f"MLP {depth}x{width} ({params_m:.1f}M)",
+                "variant": name,
+                "step_s_median": round(statistics.median(ts), 4),
+                "step_s_min": round(min(ts), 4),
+                "step_s_max": round(max(ts), 4),
+            }
+            for base in BASELINES:
+                row[f"ratio_to_{base}"] = ratio(ts, times[base])
+            rows.append(row)
         for stage, seconds in stage_times(width, depth, batch, 3 if args.quick else 7).items():
             stage_rows.append(
                 {
@@ -162,8 +193,9 @@ def main(argv=None) -> None:
                     "ms_per_step_per_device": round(seconds * 1e3, 2),
                 }
             )
-    head = ["model", "variant", "step s (median)", "ratio to ZeRO-3"]
-    table = markdown_table(head, [list(r.values()) for r in rows], "llrr")
+    head = ["model", "variant", "step s (median)", "min", "max"]
+    head += [f"ratio to {b}" for b in BASELINES]
+    table = markdown_table(head, [list(r.values()) for r in rows], "llrrrrr")
     stage_table = markdown_table(
         ["model", "stage", "ms per step per device"],
         [list(r.values()) for r in stage_rows],
@@ -177,8 +209,11 @@ def main(argv=None) -> None:
     write_csv(out / "overhead_stages.csv", stage_rows)
     text = (
         "# ZeRO++ compute overhead (no link limit)\n\n"
-        f"{machine_line()}; mesh 2x4, {rounds} interleaved rounds, bf16 compute.\n\n"
-        f"{table}\nStages of the ZeRO++ step (per device, summed over the weights, "
+        f"{machine_line()}; {source_version()}; mesh 2x4, {rounds} interleaved rounds, "
+        "bf16 compute.\n\n"
+        f"{table}\nStep times: median and range over the rounds. A ratio is the variant's "
+        "median over the baseline's, shown only where the two ranges do not overlap.\n\n"
+        "Stages of the ZeRO++ step (per device, summed over the weights, "
         f"medians of single runs; devices share the 2 cores, so 8 devices' stages "
         f"serialize):\n\n{stage_table}"
     )

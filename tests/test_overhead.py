@@ -20,7 +20,7 @@ def test_overhead_quick(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     table = (tmp_path / "overhead.md").read_text()
-    for variant in ("ZeRO-3", "qwZ only", "hpZ only", "qgZ only", "ZeRO++"):
+    for variant in ("XLA FSDP", "ZeRO-3", "qwZ only", "hpZ only", "qgZ only", "ZeRO++"):
         assert f"| {variant} |" in table
     assert "hop-1 dequantize-sum-requantize" in table
     assert (tmp_path / "overhead.csv").exists() and (tmp_path / "overhead_stages.csv").exists()
