@@ -8,7 +8,8 @@ takes before the loss moves.
 
 (times on 2 shared CPU cores). `--seed`, `--variants`, `--ks`, `--events-bits` and
 `--steps` change the study; a run whose folder already holds a finished run of the same
-command is reused, not trained again.
+command, run by the same code (one clean commit and the same package versions, from the
+run's `run.json`; see `zeropp_jax.provenance.same_code`), is reused, not trained again.
 
 `--study main` trains the trainer's byte-level GPT (`zeropp-train`) on the Python standard
 library once per variant, all with the same seed, data order and validation batches:
@@ -58,8 +59,14 @@ from _convergence_report import (  # noqa: E402
     write_main,
 )
 
+from zeropp_jax.provenance import provenance, same_code  # noqa: E402
+
+CODE = provenance()
+"""The code of this process: a finished run is reused only if it ran the same."""
+
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero3": ("ZeRO-3 (reference)", ("--zero3",)),
+    "xla_fsdp": ("XLA FSDP (jax.jit, XLA's collectives)", ("--engine", "xla-fsdp")),
     "qwz8": ("qwZ int8 only", ("--weight-bits", "8", "--grad-bits", "none", "--no-hierarchical")),
     "qwz4": ("qwZ int4 only", ("--weight-bits", "4", "--grad-bits", "none", "--no-hierarchical")),
     "qgz4": ("qgZ int4 only", ("--weight-bits", "none", "--grad-bits", "4", "--no-hierarchical")),
@@ -293,11 +300,13 @@ def worker(argv: Sequence[str]) -> int:
 
 
 def _matches(out: pathlib.Path, command: Sequence[str]) -> bool:
-    """Whether `out` holds a finished run of exactly `command`."""
+    """Whether `out` holds a finished run of exactly `command` by the code running now."""
     try:
+        recorded = json.loads((out / "run.json").read_text()).get("provenance", {})
         return (
             json.loads((out / "command.json").read_text()) == list(command)
             and (out / "summary.json").exists()
+            and same_code(recorded, CODE)
         )
     except (OSError, ValueError):
         return False

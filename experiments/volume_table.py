@@ -13,7 +13,12 @@ per device) and splits the bytes into
     (phase, op, mesh axes) carries an int8/uint8 payload (scales travel in their own
     collective beside the payload);
   * the paper's count, forward + cross-node backward + gradient (what the paper calls 3M
-    for ZeRO-3 and 0.75M for ZeRO++), and ZeRO-3's paper count divided by the variant's.
+    for ZeRO-3 and 0.75M for ZeRO++), and ZeRO-3's paper count divided by the variant's;
+  * the bytes through each node's network link in one direction (`CommLedger.link_bytes`,
+    gloo's algorithms) and ZeRO-3's divided by the variant's.
+
+The first variant is XLA's own FSDP, read from the program XLA:CPU compiled (see
+`VARIANTS`); the others from the lowered program.
 
 M is the model in 16-bit bytes (2 bytes per parameter). A flat collective over N devices
 sends (N-1)/N of its data per device, so ZeRO-3 is 3 * 7/8 M here, not 3M.
@@ -42,6 +47,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
+from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step  # noqa: E402
 from zeropp_jax.ledger import PARTS  # noqa: E402
 from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn  # noqa: E402
 
@@ -53,7 +59,10 @@ PART_TITLES = {
     "other": "other",
 }
 
-VARIANTS: dict[str, zpp.ZeroPPConfig] = {
+XLA_FSDP = "XLA FSDP (CPU-compiled)"
+
+VARIANTS: dict[str, zpp.ZeroPPConfig | None] = {
+    XLA_FSDP: None,
     "ZeRO-3": zpp.ZeroPPConfig.zero3(),
     "+qwZ": zpp.ZeroPPConfig(weight_bits=8, hierarchical=False, grad_bits=None),
     "+hpZ": zpp.ZeroPPConfig(weight_bits=None, hierarchical=True, grad_bits=None),
@@ -66,11 +75,13 @@ VARIANTS: dict[str, zpp.ZeroPPConfig] = {
         weight_delta_bits=4, grad_bits=8, grad_node_bits=2
     ),
 }
-"""The variants of the table: ZeRO-3, each technique alone, full ZeRO++ (int8 weights,
-hpZ, int4 gradients), two lower-bit variants of it, and two with weight deltas (each device
-keeps its hpZ secondary shard across steps and the step sends int4 deltas across nodes; the
-delta gather runs in `apply_gradients`, so it counts as a forward gather), the second with
-int8 gradients inside the node and int2 across nodes."""
+"""The variants of the table: XLA's own FSDP (None: `zeropp_jax.baselines`, read from the
+program XLA:CPU compiled, where its collectives first exist), ZeRO-3, each technique
+alone, full ZeRO++ (int8 weights, hpZ, int4 gradients), two lower-bit variants of it, and
+two with weight deltas (each device keeps its hpZ secondary shard across steps and the
+step sends int4 deltas across nodes; the delta gather runs in `apply_gradients`, so it
+counts as a forward gather), the second with int8 gradients inside the node and int2
+across nodes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +122,20 @@ def _train_step(state, batch):
     return state.apply_gradients(grads=grads), {"loss": loss}
 
 
-def step_ledger(size: ModelSize, config: zpp.ZeroPPConfig, mesh_shape: tuple[int, int]):
-    """The `CommLedger` of one training step (adam) of a GPT of `size` on a mesh."""
+def step_ledger(size: ModelSize, config: zpp.ZeroPPConfig | None, mesh_shape: tuple[int, int]):
+    """The `CommLedger` of one training step (adam) of a GPT of `size` on a mesh
+    (`config=None`: XLA's FSDP, compiled)."""
     mesh = zpp.make_mesh(*mesh_shape)
     cfg = size.config
+    batch = np.zeros((mesh.devices.size, cfg.seq_len + 1), np.int32)
+    if config is None:
+        params = init_params(cfg, 0)
+        state = xla_fsdp_state(
+            apply_fn=GPT(cfg).apply, params=params, tx=optax.adam(1e-3), mesh=mesh
+        )
+        step = xla_fsdp_step(_train_step, state, mesh)
+        count = sum(int(x.size) for x in jax.tree.leaves(params))
+        return zpp.comm_ledger(step, state, batch, param_count=count, compiled=True)
     state = zpp.TrainState.create(
         apply_fn=GPT(cfg).apply,
         params=init_params(cfg, 0),
@@ -123,7 +144,6 @@ def step_ledger(size: ModelSize, config: zpp.ZeroPPConfig, mesh_shape: tuple[int
         config=config,
     )
     step = zpp.shard(_train_step, mesh=mesh, config=config)
-    batch = np.zeros((mesh.devices.size, cfg.seq_len + 1), np.int32)
     return zpp.comm_ledger(step, state, batch)
 
 
@@ -192,6 +212,7 @@ def volume_row(ledger) -> dict[str, float]:
         total_intra=row["total_intra"],
         total=row["total"],
         scales=row["scales"],
+        link=ledger.in_units_of_M(ledger.link_bytes),
     )
     out["paper_count"] = (
         out["fwd_gather_cross"]
@@ -238,8 +259,9 @@ def volume_rows(
                 **volume_row(ledger),
             )
             if name == "ZeRO-3":
-                base = row["paper_count"]
+                base, base_link = row["paper_count"], row["link"]
             row["reduction"] = base / row["paper_count"]
+            row["link_reduction"] = base_link / row["link"]
             if with_terms:
                 row["terms"] = ledger_terms(ledger)
             if verbose:
@@ -261,13 +283,14 @@ def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
     head = ["model (params)", "mesh", "variant"]
     head += [f"{PART_TITLES[p]} {w}" for p in PARTS for w in ("cross", "intra")]
     head += ["total cross", "total intra", "total", "of which scales", "paper count"]
-    head += ["ZeRO-3 / this"]
+    head += ["ZeRO-3 / this", "per node link", "ZeRO-3 / this (link)"]
     body = []
     for r in rows:
         cells = [f"{r['model']} ({r['params']:,})", r["mesh"], r["variant"]]
         cells += [f"{r[f'{p}_{w}']:.4f}" for p in PARTS for w in ("cross", "intra")]
         cells += [f"{r[k]:.4f}" for k in ("total_cross", "total_intra", "total", "scales")]
         cells += [f"{r['paper_count']:.4f}", f"{r['reduction']:.2f}x"]
+        cells += [f"{r['link']:.4f}", f"{r['link_reduction']:.2f}x"]
         body.append(cells)
     return _common.markdown_table(head, body, "lll" + "r" * (len(head) - 3))
 

@@ -124,6 +124,7 @@ INVALID = [
         for v in (jnp.int32, "int32", "foo", jnp.float64, "float64", jnp.int8, None, 5)
     ],
     *[("kernels", v, "'auto'") for v in ("cuda", "XLA", "", None, 1)],
+    *[("grad_reduce", v, "'reduce_scatter'") for v in ("nccl", "RING", None, 1)],
     *[("hierarchical", v, BOOL_ALLOWED) for v in (1, 0, "True", None)],
     *[("skip_nonfinite_updates", v, BOOL_ALLOWED) for v in (1, "yes", None)],
 ]
@@ -147,3 +148,14 @@ def test_invalid_value_message_is_actionable():
     assert "64" in msg  # suggests typical values
     with pytest.raises(ValueError, match="Pass e.g. jnp.bfloat16"):
         ZeroPPConfig(compute_dtype="foo")
+
+
+def test_grad_reduce_resolves_by_platform():
+    from zeropp_jax.choices import resolve_grad_reduce
+
+    auto = ZeroPPConfig.zero3()
+    assert auto.grad_reduce == "auto"
+    assert resolve_grad_reduce(auto, "cpu") == "ring"  # XLA:CPU would widen bf16
+    assert resolve_grad_reduce(auto, "gpu") == "reduce_scatter"  # what NCCL runs
+    chosen = ZeroPPConfig.zero3(grad_reduce="reduce_scatter")
+    assert resolve_grad_reduce(chosen, "cpu") == "reduce_scatter"

@@ -40,9 +40,28 @@ def test_quick_study_writes_table_curves_and_gap(quick):
     assert crcs[0] == crcs[1]  # same data order for every variant
 
 
-def test_a_finished_run_is_reused(quick, capsys):
+CLEAN = {"commit": "c" * 40, "dirty": False, "changed": [], "packages": {"jax": "x"}}
+
+
+def _record_code(run: pathlib.Path, code: dict) -> None:
+    record = json.loads((run / "run.json").read_text())
+    record["provenance"] = code
+    (run / "run.json").write_text(json.dumps(record))
+
+
+def test_a_finished_run_is_reused_only_by_the_same_code(quick, capsys, monkeypatch):
+    # Whatever state this checkout is in, pretend both runs and this process ran one
+    # clean commit; then make one run's record name another commit.
+    monkeypatch.setattr(convergence, "CODE", CLEAN)
+    for name in convergence.QUICK_VARIANTS:
+        _record_code(quick / "convergence" / name, CLEAN)
     assert convergence.main(["--quick", "--in-process", "--out", str(quick)]) == 0
     assert capsys.readouterr().out.count("reusing the finished run") == 2
+    first = quick / "convergence" / convergence.QUICK_VARIANTS[0]
+    _record_code(first, dict(CLEAN, commit="d" * 40))
+    assert convergence.main(["--quick", "--in-process", "--out", str(quick)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("reusing the finished run") == 1  # the other commit's run retrained
 
 
 def test_events_runs_go_through_the_worker_with_their_injection():

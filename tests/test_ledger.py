@@ -587,6 +587,17 @@ def test_part_of_each_collective_of_a_training_step():
     }
 
 
+def test_zero3_gradients_as_one_reduce_scatter():
+    # grad_reduce="auto" is the ring on CPU devices; "reduce_scatter" is what NCCL runs:
+    # the same bytes per device, in one bfloat16 collective.
+    ring = _step_ledger(zpp.ZeroPPConfig.zero3())
+    rs = _step_ledger(zpp.ZeroPPConfig.zero3(grad_reduce="reduce_scatter"))
+    grads = {(r.op, r.dtype) for r in rs.records if r.part == "grad_reduce"}
+    assert grads == {("reduce-scatter", "bfloat16")}
+    assert {r.op for r in ring.records if r.part == "grad_reduce"} == {"collective-permute"}
+    assert rs.bytes_by("part")[("grad_reduce",)] == ring.bytes_by("part")[("grad_reduce",)]
+
+
 @pytest.mark.parametrize(
     "op,phase,part",
     [

@@ -111,7 +111,9 @@ def xla_fsdp_state(
     return jax.jit(create, out_shardings=shardings)(params)
 
 
-def xla_fsdp_step(train_step: Callable, state: Any, mesh: Mesh, *, donate_state: bool = True):
+def xla_fsdp_step(
+    train_step: Callable, state: Any, mesh: Mesh, *, donate_state: bool = True
+) -> Any:
     """`jax.jit(train_step)` with the state sharded as `xla_fsdp_state` places it, the
     batch split over all devices along its first axis, and the metrics replicated.
 
@@ -122,8 +124,8 @@ def xla_fsdp_step(train_step: Callable, state: Any, mesh: Mesh, *, donate_state:
       donate_state: donate the input state's buffers to the output state.
 
     Returns:
-      The jitted step (`.lower` works, so `comm_ledger(..., compiled=True)` reads what XLA
-      chose to send).
+      The jitted step, a `jax.jit` wrapper (`.lower` works, so `comm_ledger(...,
+      compiled=True)` reads what XLA chose to send).
     """
     shardings = state_shardings(state, mesh)
     return jax.jit(

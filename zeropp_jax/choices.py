@@ -65,7 +65,20 @@ def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:
     return pallas_codec(interpret=kind == "pallas_interpret")
 
 
-def gather_spec(config: ZeroPPConfig, codec: Codec) -> weight_gather.GatherSpec:
+def resolve_grad_reduce(config: ZeroPPConfig, platform: str | None = None) -> str:
+    """`config.grad_reduce` with "auto" resolved: "ring" on CPU, "reduce_scatter" elsewhere.
+
+    `platform` defaults to `jax.default_backend()`.
+    """
+    if config.grad_reduce != "auto":
+        return config.grad_reduce
+    platform = platform or jax.default_backend()
+    return "ring" if platform == "cpu" else "reduce_scatter"
+
+
+def gather_spec(
+    config: ZeroPPConfig, codec: Codec, platform: str | None = None
+) -> weight_gather.GatherSpec:
     """How every sharded weight is gathered and how its gradient is reduced."""
     return weight_gather.GatherSpec(
         hierarchical=config.hierarchical,
@@ -81,6 +94,7 @@ def gather_spec(config: ZeroPPConfig, codec: Codec) -> weight_gather.GatherSpec:
         or config.grad_hop2_bits is not None,
         dtype=jnp.dtype(config.compute_dtype),
         codec=codec,
+        flat_ring=resolve_grad_reduce(config, platform) == "ring",
     )
 
 

@@ -338,6 +338,7 @@ def flat_reduce_scatter(
     node_axis: str = "node",
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
+    ring: bool = True,
 ) -> jax.Array:
     """ZeRO-3's gradient reduce-scatter: one collective over both axes in node-major order.
 
@@ -348,6 +349,8 @@ def flat_reduce_scatter(
       node_axis: name of the inter-node mesh axis.
       local_axis: name of the intra-node mesh axis.
       codec: block quantization implementation.
+      ring: with `bits=None` and a 16-bit `x`: run `ring_reduce_scatter` (True) or one
+        `lax.psum_scatter` in `x.dtype` (False, what NCCL runs).
 
     Returns:
       float32 `(rows, ...)`: the sum over all devices of this device's piece.
@@ -355,7 +358,10 @@ def flat_reduce_scatter(
     nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
     chunks = _node_major(x.reshape(nn * ll, -1), nn, ll).reshape(x.shape)
     if bits is None and x.dtype.itemsize == 2:
-        return ring_reduce_scatter(chunks, axis_name=(node_axis, local_axis))
+        if ring:
+            return ring_reduce_scatter(chunks, axis_name=(node_axis, local_axis))
+        summed = lax.psum_scatter(chunks, (node_axis, local_axis), tiled=True)
+        return summed.astype(jnp.float32)
     return reduce_scatter_quantized(
         chunks, axis_name=(node_axis, local_axis), bits=bits, block_size=block_size, codec=codec
     )

@@ -18,6 +18,9 @@ SAME = "same"
 """A per-hop format field with this value uses the format of the first hop."""
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
+
+GRAD_REDUCE = ("auto", "ring", "reduce_scatter")
+"""The values of `ZeroPPConfig.grad_reduce`."""
 ERROR_FEEDBACK = (None, "node", "all")
 
 
@@ -110,6 +113,13 @@ class ZeroPPConfig:
       kernels: implementation of quantize/dequantize: "xla" (plain jnp), "pallas" (the
         kernels in `pallas_kernels`, GPU only), "pallas_interpret" (the same kernels in
         Pallas interpret mode, for CPU tests), or "auto" (Pallas on GPU, XLA elsewhere).
+      grad_reduce: how an unquantized 16-bit flat gradient reduction (ZeRO-3's) runs:
+        "reduce_scatter" (one `lax.psum_scatter` in the compute dtype, what NCCL runs on
+        GPUs), "ring" (a ring of `G - 1` collective-permutes moving the 16-bit partial sums
+        as raw bits, for a fair CPU wire: XLA:CPU would widen a bfloat16 reduce-scatter to
+        float32) or "auto" (ring on CPU, reduce_scatter elsewhere). The ledger shows which
+        ran (collective-permutes or a reduce-scatter). No effect on quantized or two-hop
+        reductions.
       prefetch: gather each weight one use ahead: an unrolled model's next weight is
         gathered while the current one computes, a scan's layer i + 1 while layer i
         computes (forward), so a GPU can overlap the communication with compute. Costs at
@@ -127,6 +137,7 @@ class ZeroPPConfig:
     grad_block_size: int = 256
     compute_dtype: Any = jnp.bfloat16
     kernels: str = "auto"
+    grad_reduce: str = "auto"
     prefetch: bool = True
     skip_nonfinite_updates: bool = False
     weight_local_bits: int | str | None = SAME
@@ -185,6 +196,8 @@ class ZeroPPConfig:
             _fail("skip_nonfinite_updates", self.skip_nonfinite_updates, "True or False")
         if self.kernels not in KERNELS:
             _fail("kernels", self.kernels, f"one of {KERNELS}")
+        if self.grad_reduce not in GRAD_REDUCE:
+            _fail("grad_reduce", self.grad_reduce, f"one of {GRAD_REDUCE}")
         try:
             name = jnp.dtype(self.compute_dtype).name
         except TypeError:

@@ -60,8 +60,9 @@ def make_island_apply(
     leading dimension; outputs come back batch-sharded in the global view.
     """
     treedef, leaf_layouts = layouts
-    codec = resolve_codec(config)
-    spec = gather_spec(config, codec)
+    platform = mesh.devices.flat[0].platform
+    codec = resolve_codec(config, platform)
+    spec = gather_spec(config, codec, platform)
     compute = jnp.dtype(config.compute_dtype)
     param_specs = [part.leaf_spec(lo) for lo in leaf_layouts]
     paths = jax.tree_util.tree_flatten_with_path(

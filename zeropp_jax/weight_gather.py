@@ -64,6 +64,8 @@ class GatherSpec:
         reduce-scatter over both axes in node-major order.
       dtype: dtype of the gathered weight (the compute dtype).
       codec: block quantization implementation.
+      flat_ring: run an unquantized 16-bit flat reduction as a ring of collective-permutes
+        (True) or as one reduce-scatter in `dtype` (False); see `ZeroPPConfig.grad_reduce`.
     """
 
     hierarchical: bool
@@ -77,6 +79,7 @@ class GatherSpec:
     two_hop: bool
     dtype: jnp.dtype
     codec: Codec = XLA_CODEC
+    flat_ring: bool = True
 
     def two_hop_kwargs(self) -> dict[str, Any]:
         """The keywords of `collectives.two_hop_reduce_scatter` for this reduction.
@@ -298,7 +301,11 @@ def reduce_gradient(
                 "need the two-hop gradient reduction (GatherSpec.two_hop=True)."
             )
         dx = flat_reduce_scatter(
-            g, bits=spec.grad_bits, block_size=spec.grad_block_size, codec=spec.codec
+            g,
+            bits=spec.grad_bits,
+            block_size=spec.grad_block_size,
+            codec=spec.codec,
+            ring=spec.flat_ring,
         )
         return dx, ()
     if residuals:
