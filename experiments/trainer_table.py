@@ -19,19 +19,24 @@ import subprocess
 import sys
 import tempfile
 
-from _common import RESULTS, machine_line, markdown_table, source_version, write_csv
+from _common import RESULTS, machine_line, markdown_table, request_cpu_devices, write_csv
+
+request_cpu_devices(8)  # what the trainer runs on (for the machine line)
+
+from zeropp_jax.provenance import describe  # noqa: E402
 
 ENGINES = {"ZeRO++": "zeropp", "ZeRO-3": "zero3", "XLA FSDP": "xla-fsdp"}
 
 
-def run(engine: str, steps: int, out: pathlib.Path, extra: list[str]) -> dict:
-    """One `zeropp-train` run; returns its summary.json."""
+def run(engine: str, steps: int, out: pathlib.Path, extra: list[str]) -> tuple[dict, dict]:
+    """One `zeropp-train` run; returns its summary.json and its run.json."""
     cmd = [sys.executable, "-m", "zeropp_jax.train", "--engine", engine, "--steps", str(steps)]
     cmd += ["--out", str(out), "--no-progress", *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    return json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    return summary, json.loads((out / "run.json").read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("extra", nargs="*", help="more zeropp-train flags, after --")
     args = p.parse_args(argv)
-    version = source_version()
-    rows = []
+    rows, codes = [], []
     with tempfile.TemporaryDirectory(prefix="zeropp_trainer_") as tmp:
         for label, engine in ENGINES.items():
-            s = run(engine, args.steps, pathlib.Path(tmp) / engine, args.extra)
+            s, record = run(engine, args.steps, pathlib.Path(tmp) / engine, args.extra)
+            codes.append(describe(record["provenance"]))
             (ledger,) = [v for k, v in s["ledger"].items() if k == label]
             rows.append(
                 {
@@ -55,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                     "wall_s": round(s["wall_s"], 1),
                     "ledger_total_M": round(ledger["total_M"], 3),
                     "ledger_link_M": round(ledger["link_M"], 3),
+                    "code": codes[-1],
                 }
             )
             print(rows[-1], flush=True)
@@ -70,11 +76,18 @@ def main(argv: list[str] | None = None) -> int:
         "ledger: per node link (M)",
     ]
     flags = " ".join(args.extra) or "no other flags"
+    # Each run records the code it imported; one line when they agree, else per row.
+    version = codes[0] if len(set(codes)) == 1 else "the runs imported different code"
+    if len(set(codes)) == 1:
+        for r in rows:
+            del r["code"]
+    else:
+        head.append("code")
     text = (
         "# zeropp-train under each engine\n\n"
         f"{machine_line()}; {version}; `zeropp-train --steps {args.steps}` ({flags}), "
         "`--engine zeropp`, `zero3` and `xla-fsdp`, one after the other.\n\n"
-        + markdown_table(head, [list(r.values()) for r in rows], "lrrrrrr")
+        + markdown_table(head, [list(r.values()) for r in rows], "lrrrrrr" + "l" * (len(head) - 7))
         + "\nTokens/s exclude the first step. The ledger columns are one step's bytes in units "
         "of M (2 x parameters): sent per device, and through each node's network link in one "
         "direction. ZeRO++ and ZeRO-3 are read from the lowered program, XLA FSDP from the "
