@@ -110,7 +110,9 @@ def _compiled_pallas_as_on_a_gpu(monkeypatch) -> None:
 
     Only lowering works afterwards: running anything that calls a kernel raises."""
     resolve = island.resolve_codec
-    monkeypatch.setattr(island, "resolve_codec", lambda config: resolve(config, platform="gpu"))
+    monkeypatch.setattr(
+        island, "resolve_codec", lambda config, platform=None: resolve(config, platform="gpu")
+    )
 
 
 class _CudaLowering:
