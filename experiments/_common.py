@@ -31,14 +31,18 @@ def request_cpu_devices(count: int) -> None:
 
 
 def machine_line() -> str:
-    """Date, platform, CPU count and jax version, for the head of every output."""
+    """Date, platform, CPU count, jax version and devices, then the code (`source_version`)
+    and the package versions: the head of every output."""
     import jax
 
+    from zeropp_jax.provenance import package_versions
+
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    packages = ", ".join(f"{k} {v}" for k, v in package_versions().items() if k != "jax")
     return (
         f"{now}; {platform.platform()}; python {platform.python_version()}; "
         f"{os.cpu_count()} CPUs; jax {jax.__version__} ({jax.default_backend()}, "
-        f"{jax.device_count()} devices)"
+        f"{jax.device_count()} devices); {source_version()}; {packages}"
     )
 
 

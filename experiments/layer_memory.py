@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     _common.write_csv(out / f"{name}.csv", rows)
     head = list(rows[0])
     text = (
-        f"# Compiled memory per device: gathering at use\n\n{_common.machine_line()}; "
-        f"{_common.source_version()}.\n\nTrainer's GPT, d_model {d_model}, "
+        f"# Compiled memory per device: gathering at use\n\n{_common.machine_line()}."
+        f"\n\nTrainer's GPT, d_model {d_model}, "
         f"{depths[0]} and {depths[1]} layers, global batch {BATCH}, sequence 128, AdamW, "
         "bfloat16 compute, 2 x 4 mesh (one device: the per-device batch, unsharded). "
         "`temp_per_added_layer_in_layers`: temp added per added layer over one layer's full "

@@ -25,7 +25,6 @@ from _common import (
     machine_line,
     markdown_table,
     request_cpu_devices,
-    source_version,
     write_csv,
 )
 
@@ -209,7 +208,7 @@ def main(argv=None) -> None:
     write_csv(out / "overhead_stages.csv", stage_rows)
     text = (
         "# ZeRO++ compute overhead (no link limit)\n\n"
-        f"{machine_line()}; {source_version()}; mesh 2x4, {rounds} interleaved rounds, "
+        f"{machine_line()}; mesh 2x4, {rounds} interleaved rounds, "
         "bf16 compute.\n\n"
         f"{table}\nStep times: median and range over the rounds. A ratio is the variant's "
         "median over the baseline's, shown only where the two ranges do not overlap.\n\n"

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         head.append("code")
     text = (
         "# zeropp-train under each engine\n\n"
-        f"{machine_line()}; {version}; `zeropp-train --steps {args.steps}` ({flags}), "
+        f"{machine_line()} (this script's process); the runs: {version}; "
+        f"`zeropp-train --steps {args.steps}` ({flags}), "
         "`--engine zeropp`, `zero3` and `xla-fsdp`, one after the other.\n\n"
         + markdown_table(head, [list(r.values()) for r in rows], "lrrrrrr" + "l" * (len(head) - 7))
         + "\nTokens/s exclude the first step. The ledger columns are one step's bytes in units "

@@ -398,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; expected some of {list(VARIANTS)}")
-    machine = f"{_common.machine_line()}; {_common.source_version()}"
+    machine = _common.machine_line()
     print(f"volume_table: {machine}")
     start = time.perf_counter()
     rows = volume_rows(runs, variants, verbose=True)
