@@ -32,6 +32,9 @@ from zeropp_jax.provenance import provenance
 from zeropp_jax.train.flags import PROG, UsageError, parse_args, zeropp_config
 
 # Arguments that fix the model and the data order: a resumed run must repeat them.
+EXIT_STOPPED = 3
+"""Exit status after a stop signal: the current step finished and was checkpointed."""
+
 _RUN_IDENTITY = (
     "d_model",
     "n_layers",
@@ -235,6 +238,20 @@ def _default_out(args: argparse.Namespace) -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S", time.localtime(stamp)))
 
 
+def _check_writable(out: str) -> None:
+    """Raises `UsageError` unless `out` can be created and written (before any compile)."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write-probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(
+            f"--out {out}: cannot write there ({e.strerror or e}); choose a writable directory"
+        ) from None
+
+
 def _check_resume(out: str, args: argparse.Namespace) -> None:
     path = os.path.join(out, "run.json")
     if not os.path.exists(path):
@@ -290,8 +307,11 @@ def ledger_table(ledgers: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `zeropp-train` (and `python -m zeropp_jax.train`).
 
-    Returns 0 after a completed run; bad flags raise `SystemExit(2)` after one line on
-    stderr (`zeropp-train: error: ...`).
+    Returns 0 after a completed run, and `EXIT_STOPPED` (3) after a SIGTERM or SIGINT
+    during training: the step it was on finished, a checkpoint of it was written, and
+    `--resume` continues from there. Bad flags raise `SystemExit(2)` after one line on
+    stderr (`zeropp-train: error: ...`); a checkpoint that cannot be written raises
+    `SystemExit(1)` after one line.
     """
     t0 = time.time()
     try:
@@ -302,8 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    _train(run)
-    return 0
+    return _train(run)
 
 
 @dataclasses.dataclass
@@ -352,6 +371,8 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
             "another --out"
         )
     is_main = jax.process_index() == 0
+    if is_main:
+        _check_writable(out)
 
     corpus = data.load_corpus(max_bytes=args.max_corpus_mb * 2**20)
     entropy = data.unigram_entropy(corpus.train)
@@ -444,12 +465,15 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
     )
 
 
-def _train(run: _Run) -> None:
+def _train(run: _Run) -> int:
+    import signal
+
     import jax
     import numpy as np
     from tqdm.auto import tqdm
 
     import zeropp_jax as zpp
+    from zeropp_jax.preemption import StopGuard
     from zeropp_jax.train import data
 
     args, state = run.args, run.state
@@ -468,12 +492,23 @@ def _train(run: _Run) -> None:
     def evaluate() -> float:
         return float(np.mean([float(run.compiled_eval(state, b)) for b in run.eval_set]))
 
-    saved = set()
+    saved: list[int] = []
 
     def save(step: int) -> None:  # every process takes part
-        if step not in saved and args.engine != "xla-fsdp":
-            zpp.save_checkpoint(os.path.abspath(checkpoint_path(run.out, step)), state)
-            saved.add(step)
+        if step in saved or args.engine == "xla-fsdp":
+            return
+        path = os.path.abspath(checkpoint_path(run.out, step))
+        try:
+            zpp.save_checkpoint(path, state)
+        except Exception as e:  # a full disk, a directory gone read-only, ...
+            before = latest_checkpoint(run.out)
+            kept = f"the previous checkpoint {before[1]} is intact" if before else "none kept"
+            reason = " ".join(str(e).split())[:300]
+            print(
+                f"{PROG}: error: cannot write checkpoint {path}: {reason}; {kept}", file=sys.stderr
+            )
+            raise SystemExit(1) from None
+        saved.append(step)
 
     log = None
     if run.main:
@@ -503,7 +538,9 @@ def _train(run: _Run) -> None:
 
     train_loss = val_loss = float("nan")
     timed_steps, timed_seconds = 0, 0.0
-    with data.Prefetcher(make_batch, run.start, args.steps) as batches:
+    stopped = None
+    guard = StopGuard()
+    with guard, data.Prefetcher(make_batch, run.start, args.steps) as batches:
         for step, (digest, batch) in batches:
             t = time.perf_counter()
             state, metrics = run.compiled_step(state, batch)
@@ -523,7 +560,27 @@ def _train(run: _Run) -> None:
                 emit({"step": done, "val_loss": val_loss})
             if args.save_every and done % args.save_every == 0:
                 save(done)
+            if done < args.steps and guard.should_stop(done):
+                save(done)
+                stopped = done
+                break
     bar.close()
+    if stopped is not None:
+        name = signal.Signals(guard.signal_received).name if guard.signal_received else "a peer"
+        if run.main:
+            where = (
+                "no checkpoint (--engine xla-fsdp)"
+                if args.engine == "xla-fsdp"
+                else f"checkpoint {checkpoint_path(run.out, stopped)}"
+            )
+            print(
+                f"{PROG}: stopped by {name} after step {stopped}; {where}; continue with "
+                f"--resume --out {run.out}",
+                flush=True,
+            )
+        if log is not None:
+            log.close()
+        return EXIT_STOPPED
     val_loss = evaluate()
     emit({"step": args.steps, "val_loss": val_loss})
     save(args.steps)
@@ -575,6 +632,7 @@ def _train(run: _Run) -> None:
         print("\n".join(lines))
     if log is not None:
         log.close()
+    return 0
 
 
 def _config_text(config) -> str:
