@@ -9,11 +9,13 @@ from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.engine import ShardedStep, TrainState, gather_params, shard
 from zeropp_jax.ledger import CommLedger, comm_ledger
 from zeropp_jax.mesh import make_mesh
+from zeropp_jax.preemption import StopGuard
 from zeropp_jax.quant import QuantizedArray, dequantize_blockwise, quantize_blockwise
 
 __all__ = [
     "CommLedger",
     "ShardedStep",
+    "StopGuard",
     "TrainState",
     "QuantizedArray",
     "ZeroPPConfig",
