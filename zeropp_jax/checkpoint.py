@@ -119,6 +119,8 @@ def save_checkpoint(path: str | os.PathLike, state: TrainState, *, overwrite: bo
 
     Raises:
       ValueError: if `state` is not a zpp.TrainState, or `path` exists and not `overwrite`.
+      Whatever the write raises (a full disk: `OSError`, or orbax's `ValueError` /
+      `RuntimeError`); the staging folder is then removed and `path` left as it was.
     """
     if not isinstance(state, TrainState):
         raise ValueError(f"save_checkpoint expects a zeropp_jax.TrainState, got {type(state)}.")
@@ -141,13 +143,20 @@ def save_checkpoint(path: str | os.PathLike, state: TrainState, *, overwrite: bo
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         os.makedirs(staging)
     _sync("zeropp_ckpt_staging")
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.path.join(staging, STATE_DIR), _saved_tree(state))
-    ckptr.wait_until_finished()
-    ckptr.close()
+    try:
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(os.path.join(staging, STATE_DIR), _saved_tree(state))
+        ckptr.wait_until_finished()
+        ckptr.close()
+        if _is_main():
+            with open(os.path.join(staging, META_FILE), "w") as f:
+                json.dump(_metadata(state), f, indent=1)
+    except BaseException:
+        # A full disk, an interrupt: the staging folder goes, anything at `path` stays.
+        if _is_main():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     if _is_main():
-        with open(os.path.join(staging, META_FILE), "w") as f:
-            json.dump(_metadata(state), f, indent=1)
         old = None
         if os.path.exists(path):
             old = f"{path}.old-{token}"
