@@ -1,25 +1,34 @@
-"""Test setup: 8 emulated CPU devices, configured before JAX initialises its backends, and
-one persistent compilation cache for the whole session.
-
-The cache is a fresh temporary folder per `pytest` run, shared by the xdist workers and by
-the subprocesses the tests start (through the environment, which they inherit). Many tests
-compile the same programs (the trainer's GPT step, the documented commands run twice);
-with the cache XLA compiles each once per session. It changes no result: a cache hit is
-the executable XLA would have built.
-"""
+"""Test setup: 8 emulated CPU devices, configured before JAX initialises its backends; and
+`compile_cache`, a fixture for tests that compile the same programs several times."""
 
 import os
-import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # set once, by the controller
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zeropp_tests_cache_")
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
+
+
+@pytest.fixture
+def compile_cache(tmp_path, request):
+    """A persistent compilation cache in this test's own folder, for the in-process runs
+    of one test that compile the same programs (a run, then its resumption); the previous
+    settings come back afterwards."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    def use(directory, min_secs):
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
+        compilation_cache.reset_cache()
+
+    old = (
+        jax.config.jax_compilation_cache_dir,
+        jax.config.jax_persistent_cache_min_compile_time_secs,
+    )
+    use(str(tmp_path / "jax-cache"), 0.0)
+    request.addfinalizer(lambda: use(*old))

@@ -162,26 +162,14 @@ def test_cli_bad_flags_give_one_line_and_exit_2(flags, message, capsys, tmp_path
     assert message in err
 
 
-def test_cli_trains_checkpoints_and_resumes_at_the_same_data_position(tmp_path, capsys, request):
+def test_cli_trains_checkpoints_and_resumes_at_the_same_data_position(
+    tmp_path, capsys, compile_cache
+):
     import shutil
-
-    # The resumed run compiles the same programs: let it find them in a persistent cache.
-    from jax.experimental.compilation_cache import compilation_cache
 
     from zeropp_jax.train import cli
 
-    def use_cache(directory, min_secs):
-        jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
-        compilation_cache.reset_cache()
-
-    old = (
-        jax.config.jax_compilation_cache_dir,
-        jax.config.jax_persistent_cache_min_compile_time_secs,
-    )
-    use_cache(str(tmp_path / "jax-cache"), 0.0)
-    request.addfinalizer(lambda: use_cache(*old))
-
+    # The resumed run compiles the same programs: it finds them in `compile_cache`.
     full = tmp_path / "full"
     argv = [*TINY_FLAGS, "--steps", "4", "--save-every", "2", "--no-ledger", "--out", str(full)]
     assert cli.main(argv) == 0
