@@ -119,8 +119,9 @@ def save_checkpoint(path: str | os.PathLike, state: TrainState, *, overwrite: bo
 
     Raises:
       ValueError: if `state` is not a zpp.TrainState, or `path` exists and not `overwrite`.
-      Whatever the write raises (a full disk: `OSError`, or orbax's `ValueError` /
-      `RuntimeError`); the staging folder is then removed and `path` left as it was.
+      OSError: when the write fails, e.g. on a full disk (orbax may raise its own
+        `ValueError` or `RuntimeError` instead); the staging folder is then removed and
+        `path` left as it was.
     """
     if not isinstance(state, TrainState):
         raise ValueError(f"save_checkpoint expects a zeropp_jax.TrainState, got {type(state)}.")
