@@ -204,7 +204,7 @@ def test_cli_xla_fsdp_trains_like_zero3(tmp_path, capsys):
     # ZeRO-3's to summation order.
     from zeropp_jax.train import cli
 
-    exact = [*TINY_FLAGS, "--steps", "3", "--compute-dtype", "float32"]
+    exact = [*TINY_FLAGS, "--steps", "2", "--compute-dtype", "float32"]
     assert cli.main([*exact, "--engine", "xla-fsdp", "--out", str(tmp_path / "fsdp")]) == 0
     printed = capsys.readouterr().out
     assert "no checkpoint (--engine xla-fsdp)" in printed
