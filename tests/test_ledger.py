@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from zeropp_jax import CommLedger, comm_ledger
 from zeropp_jax.hlo_text import parse_replica_groups
-from zeropp_jax.ledger import CollectiveRecord, node_traffic
+from zeropp_jax.ledger import CollectiveRecord
+from zeropp_jax.links import node_traffic
 
 ROWS, COLS = 2, 4  # per-device block of every test input: 2 x 4 elements
 F32_BLOCK = ROWS * COLS * 4  # 32 bytes
