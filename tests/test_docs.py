@@ -79,16 +79,16 @@ ALL = [b for page in PAGES for b in blocks(page)]
 
 def env() -> dict[str, str]:
     e = dict(os.environ)
-    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    e["XLA_FLAGS"] = os.environ["XLA_FLAGS"]  # conftest's: 8 devices, quick compiles
     e["JAX_PLATFORMS"] = "cpu"
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     e["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), e.get("PATH", "")])
     return e
 
 
-def run(cmd: list[str], cwd: pathlib.Path, what: str) -> None:
+def run(cmd: list[str], cwd: pathlib.Path, what: str, **extra_env: str) -> None:
     proc = subprocess.run(
-        cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=TIMEOUT_S
+        cmd, cwd=cwd, env=env() | extra_env, capture_output=True, text=True, timeout=TIMEOUT_S
     )
     assert proc.returncode == 0, (
         f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -170,7 +170,14 @@ BASH_RUN = [b for b in ALL if b.lang == "bash" and b.marker == "run"]
 @pytest.mark.parametrize("block", BASH_RUN, ids=[b.where for b in BASH_RUN])
 def test_bash_blocks_run(block, tmp_path):
     (tmp_path / "docs").symlink_to(DOCS)
-    run(["bash", "-euo", "pipefail", "-c", block.code], tmp_path, f"the bash block {block.where}")
+    # A block's commands that compile the same programs (a run, then its resumption) find
+    # them in a compilation cache of the block's own.
+    cache = {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    bash = ["bash", "-euo", "pipefail", "-c", block.code]
+    run(bash, tmp_path, f"the bash block {block.where}", **cache)
 
 
 # ------------------------------------------------------------------- generated tables

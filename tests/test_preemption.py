@@ -4,6 +4,7 @@ bit, on one process and on two."""
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -182,36 +183,57 @@ def test_sigterm_checkpoints_the_step_and_resume_continues_bit_for_bit(
     reason="needs root and unshare to mount a small tmpfs (CI runs as root)",
 )
 def test_a_full_disk_at_save_time_is_one_line_and_keeps_the_last(tmp_path):
-    # A real full disk: --out on a 850 KB tmpfs in a private mount namespace holds the
-    # run's files and one checkpoint of the tiny model (about 460 KB), not two.
+    # A real full disk: --out on a tmpfs in a private mount namespace. A first run saves
+    # step_2; the tmpfs then shrinks to what is used plus 128 KB, less than one checkpoint
+    # of the tiny model (about 360 KB), and the resumed run's save of step_4 runs out of
+    # space. (Sizing the disk from the checkpoint itself keeps the test independent of how
+    # many bytes orbax writes on a given machine.)
     disk = tmp_path / "disk"
     disk.mkdir()
-    # After the trainer, inside the same namespace: is step_2 still complete, step_4 absent?
+    out = disk / "run"
+    argv = [*TINY, "--out", str(out)]
+    argv[argv.index("--save-every") + 1] = "2"
+    trainer = shlex.join([sys.executable, "-m", "zeropp_jax.train", *argv])
+    # After the second run, inside the same namespace: is step_2 still complete?
     check = (
         "import os, sys; from zeropp_jax.checkpoint import read_metadata; "
         "read_metadata(sys.argv[1] + '/step_2'); print('LEFT', sorted(os.listdir(sys.argv[1])))"
     )
-    script = (
-        'mount -t tmpfs -o size=850k zpptest "$1" && shift && "$@"; rc=$?; '
-        f'{sys.executable} -c "{check}" "$OUT/checkpoints"; exit $rc'
-    )
-    argv = [*TINY, "--steps", "4", "--out", str(disk / "run")]
-    argv[argv.index("--save-every") + 1] = "2"
+    q = {"disk": shlex.quote(str(disk)), "ckpts": shlex.quote(str(out / "checkpoints"))}
+    script = f"""
+        mount -t tmpfs -o size=8m zpptest {q["disk"]} || exit 90
+        {trainer} --steps 2 > /dev/null || exit 91
+        used=$(df -k --output=used {q["disk"]} | tail -1)
+        mount -o remount,size=$((used + 128))k {q["disk"]} || exit 92
+        {trainer} --steps 4 --resume; rc=$?
+        {shlex.quote(sys.executable)} -c {shlex.quote(check)} {q["ckpts"]}
+        exit $rc
+    """
+    cache = tmp_path / "jax-cache"  # the resumed run compiles what the first one did
     proc = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script, "sh", str(disk)]
-        + [sys.executable, "-m", "zeropp_jax.train", *argv],
+        ["unshare", "-m", "sh", "-c", script],
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, OUT=str(disk / "run")),
+        env=dict(
+            os.environ,
+            JAX_COMPILATION_CACHE_DIR=str(cache),
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        ),
     )
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
-    mine = [line for line in err if line.startswith("zeropp-train:")]
-    assert len(mine) == 1 and mine[0].startswith("zeropp-train: error: cannot write checkpoint")
+    # orbax's own threads print their tracebacks on stderr too, and may leave a line
+    # unfinished where ours begins: ours is from its prefix on.
+    mine = [
+        "zeropp-train:" + line.split("zeropp-train:", 1)[1]
+        for line in err
+        if "zeropp-train:" in line
+    ]
+    assert len(mine) == 1, proc.stderr[-3000:]
+    assert mine[0].startswith("zeropp-train: error: cannot write checkpoint"), mine[0]
     assert "step_4" in mine[0] and "step_2 is intact" in mine[0], mine[0]
     print(mine[0])  # the reason is what orbax or the OS said
-    # orbax's own threads print their tracebacks on stderr before this line; not ours.
     # step_2 reads back complete; no step_4 exists (orbax's threads, still writing when
     # the save failed, may leave its '.saving-*' folder, which is never read).
     left = proc.stdout.split("LEFT ", 1)[1].splitlines()[0]
