@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
-from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step  # noqa: E402
+from zeropp_jax import baselines  # noqa: E402
 from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn  # noqa: E402
 
 XLA_FSDP = "XLA FSDP (`jax.jit`, compiled for CPU)"
@@ -83,23 +83,15 @@ def step_ledger(
     mesh = zpp.make_mesh(*mesh_shape)
     gpt = GPTConfig(seq_len=32, d_model=d_model, n_layers=n_layers, n_heads=4)
     batch = np.zeros((mesh.size, gpt.seq_len + 1), np.int32)
-    if config is None:
-        params = init_params(gpt, 0)
-        state = xla_fsdp_state(
-            apply_fn=GPT(gpt).apply, params=params, tx=optax.adamw(1e-3), mesh=mesh
-        )
-        step = xla_fsdp_step(_train_step, state, mesh)
-        count = sum(int(x.size) for x in jax.tree.leaves(params))
-        return zpp.comm_ledger(step, state, batch, param_count=count, compiled=True)
-    state = zpp.TrainState.create(
+    return baselines.step_ledger(
+        _train_step,
+        batch,
         apply_fn=GPT(gpt).apply,
         params=init_params(gpt, 0),
         tx=optax.adamw(1e-3),
         mesh=mesh,
         config=config,
     )
-    step = zpp.shard(_train_step, mesh=mesh, config=config)
-    return zpp.comm_ledger(step, state, batch)
 
 
 def row(ledger: zpp.CommLedger) -> dict[tuple[str, str | None], float]:

@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
-from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step  # noqa: E402
+from zeropp_jax import baselines  # noqa: E402
 from zeropp_jax.ledger import PARTS  # noqa: E402
 from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn  # noqa: E402
 
@@ -128,23 +128,15 @@ def step_ledger(size: ModelSize, config: zpp.ZeroPPConfig | None, mesh_shape: tu
     mesh = zpp.make_mesh(*mesh_shape)
     cfg = size.config
     batch = np.zeros((mesh.devices.size, cfg.seq_len + 1), np.int32)
-    if config is None:
-        params = init_params(cfg, 0)
-        state = xla_fsdp_state(
-            apply_fn=GPT(cfg).apply, params=params, tx=optax.adam(1e-3), mesh=mesh
-        )
-        step = xla_fsdp_step(_train_step, state, mesh)
-        count = sum(int(x.size) for x in jax.tree.leaves(params))
-        return zpp.comm_ledger(step, state, batch, param_count=count, compiled=True)
-    state = zpp.TrainState.create(
+    return baselines.step_ledger(
+        _train_step,
+        batch,
         apply_fn=GPT(cfg).apply,
         params=init_params(cfg, 0),
         tx=optax.adam(1e-3),
         mesh=mesh,
         config=config,
     )
-    step = zpp.shard(_train_step, mesh=mesh, config=config)
-    return zpp.comm_ledger(step, state, batch)
 
 
 def scale_keys(records: Iterable[Any]) -> set[tuple[str, str, tuple[str, ...]]]:

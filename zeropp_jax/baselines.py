@@ -134,3 +134,42 @@ def xla_fsdp_step(
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=(0,) if donate_state else (),
     )
+
+
+def step_ledger(
+    train_step: Callable,
+    batch: Any,
+    *,
+    apply_fn: Callable,
+    params: Any,
+    tx: Any,
+    mesh: Mesh,
+    config: Any,
+) -> Any:
+    """The `CommLedger` of one `train_step` on `batch`, under the engine with `config` (a
+    `ZeroPPConfig`), or under XLA's FSDP when `config` is None, for the tables that set
+    the engines side by side. Nothing runs: the engine's step is read as lowered, XLA
+    FSDP's as compiled (its collectives exist only once XLA chose them).
+
+    Args:
+      train_step: `(state, batch) -> (state, metrics)`.
+      batch: a global batch (or its shape), split over all devices along axis 0.
+      apply_fn: the model's apply function.
+      params: the parameter tree (global shapes).
+      tx: an optax `GradientTransformation`.
+      mesh: a `('node', 'local')` mesh.
+      config: a `ZeroPPConfig`, or None for XLA's FSDP in bfloat16.
+
+    Returns:
+      The ledger of the step, per device (`CommLedger`).
+    """
+    from zeropp_jax.engine import TrainState, shard
+    from zeropp_jax.ledger import comm_ledger
+
+    if config is None:
+        state = xla_fsdp_state(apply_fn=apply_fn, params=params, tx=tx, mesh=mesh)
+        count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+        step = xla_fsdp_step(train_step, state, mesh)
+        return comm_ledger(step, state, batch, param_count=count, compiled=True)
+    state = TrainState.create(apply_fn=apply_fn, params=params, tx=tx, mesh=mesh, config=config)
+    return comm_ledger(shard(train_step, mesh=mesh, config=config), state, batch)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -30,112 +29,19 @@ from typing import Any
 
 from zeropp_jax.provenance import provenance
 from zeropp_jax.train.flags import PROG, UsageError, parse_args, zeropp_config
+from zeropp_jax.train.platform import configure_host_devices, initialize_distributed, make_mesh
+from zeropp_jax.train.rundir import (
+    check_resume,
+    check_writable,
+    checkpoint_dir,
+    checkpoint_path,
+    default_out,
+    latest_checkpoint,
+    open_metrics,
+)
 
-# Arguments that fix the model and the data order: a resumed run must repeat them.
 EXIT_STOPPED = 3
 """Exit status after a stop signal: the current step finished and was checkpointed."""
-
-_RUN_IDENTITY = (
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "seq_len",
-    "scan_layers",
-    "batch",
-    "seed",
-    "max_corpus_mb",
-)
-_ACCELERATOR_PLUGINS = (
-    "jax_cuda13_plugin",
-    "jax_cuda12_plugin",
-    "jax_rocm7_plugin",
-    "jax_rocm60_plugin",
-    "libtpu",
-)
-
-
-# ------------------------------------------------------------------------ platform set-up
-
-
-def _will_run_on_cpu() -> bool:
-    """Whether JAX's default backend will be the CPU (decided without initialising it)."""
-    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
-    if platforms:
-        return platforms.split(",")[0].strip().lower() == "cpu"
-    return not any(importlib.util.find_spec(name) for name in _ACCELERATOR_PLUGINS)
-
-
-def configure_host_devices(args: argparse.Namespace) -> None:
-    """Emulates several CPU devices when the job will run on the CPU.
-
-    Sets `--xla_force_host_platform_device_count` in XLA_FLAGS (8 per job by default, or
-    `--local` per process) unless the user set it. No other XLA flag is set: the engine
-    orders its gathers by data dependencies, so the default scheduler keeps about one
-    layer's full weights (tests/test_memory.py). Must run before JAX initialises its
-    backends; it changes nothing once they are up.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if not _will_run_on_cpu():
-        return
-    if "xla_force_host_platform_device_count" in flags:
-        return
-    processes = args.num_processes or 1
-    if processes > 1:
-        count = args.local or max(1, 8 // processes)
-    elif args.nodes is not None and args.local is not None:
-        count = args.nodes * args.local
-    else:
-        count = 8
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-
-
-def initialize_distributed(args: argparse.Namespace) -> None:
-    """Starts `jax.distributed` when the flags ask for it, or when the process was started
-    by `python -m zeropp_jax.launch` (which sets the `ZEROPP_*` variables)."""
-    import jax
-
-    if args.coordinator is not None:
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator,
-            num_processes=args.num_processes,
-            process_id=args.process_id,
-            heartbeat_timeout_seconds=30,
-        )
-    elif args.distributed:
-        jax.distributed.initialize()
-    else:  # started by `python -m zeropp_jax.launch`, or single-process
-        from zeropp_jax import launch
-
-        launch.initialize_from_env()
-
-
-# ------------------------------------------------------------------------------- pieces
-
-
-def _launched_on_loopback(args: argparse.Namespace) -> bool:
-    """Whether `python -m zeropp_jax.launch` started this process (and no flag overrides it)."""
-    from zeropp_jax import launch
-
-    started = launch.ENV_COORDINATOR in os.environ
-    return started and args.coordinator is None and not args.distributed
-
-
-def make_mesh(args: argparse.Namespace):
-    """The `('node', 'local')` mesh the flags describe (defaults: see `--nodes`)."""
-    import jax
-
-    import zeropp_jax as zpp
-
-    nodes, local = args.nodes, args.local
-    if jax.process_count() > 1:
-        # Under `python -m zeropp_jax.launch` every process emulates one node on this one
-        # machine; on a real cluster make_mesh finds the hosts (one node per host).
-        if local is None and nodes is None and _launched_on_loopback(args):
-            nodes = jax.process_count()
-    elif nodes is None and local is None and jax.default_backend() == "cpu":
-        n = jax.device_count()
-        nodes = 2 if n % 2 == 0 else 1
-    return zpp.make_mesh(num_nodes=nodes, local_size=local)
 
 
 def make_optimizer(args: argparse.Namespace):
@@ -186,85 +92,11 @@ def eval_loss(state, batch):
     return cross_entropy(logits, batch[:, 1:])
 
 
-def checkpoint_dir(out: str) -> str:
-    return os.path.join(out, "checkpoints")
-
-
-def latest_checkpoint(out: str) -> tuple[int, str] | None:
-    """`(step, path)` of the newest `checkpoints/step_<n>` under `out`, or None."""
-    root = checkpoint_dir(out)
-    if not os.path.isdir(root):
-        return None
-    found = []
-    for name in os.listdir(root):
-        if name.startswith("step_") and name[5:].isdigit():
-            found.append((int(name[5:]), os.path.join(root, name)))
-    return max(found) if found else None
-
-
-def checkpoint_path(out: str, step: int) -> str:
-    return os.path.join(checkpoint_dir(out), f"step_{step}")
-
-
-def _open_metrics(path: str, keep_until: int):
-    """Opens metrics.jsonl for appending, first dropping records after step `keep_until`
-    (written by an earlier attempt past the checkpoint a resumed run starts from)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= keep_until]
-        with open(path, "w") as f:
-            f.writelines(kept)
-    return open(path, "a")
-
-
 def _fingerprint(rows) -> int:
     """CRC-32 of a global batch's bytes: a cheap record of the data position."""
     import numpy as np
 
     return zlib.crc32(np.ascontiguousarray(rows).tobytes())
-
-
-def _default_out(args: argparse.Namespace) -> str:
-    import jax
-    import numpy as np
-
-    if args.name:
-        return os.path.join("runs", args.name)
-    stamp = int(time.time())
-    if jax.process_count() > 1:  # every process must agree on the directory
-        from jax.experimental import multihost_utils
-
-        stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
-    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S", time.localtime(stamp)))
-
-
-def _check_writable(out: str) -> None:
-    """Raises `UsageError` unless `out` can be created and written (before any compile)."""
-    try:
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".write-probe-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise UsageError(
-            f"--out {out}: cannot write there ({e.strerror or e}); choose a writable directory"
-        ) from None
-
-
-def _check_resume(out: str, args: argparse.Namespace) -> None:
-    path = os.path.join(out, "run.json")
-    if not os.path.exists(path):
-        raise UsageError(f"--resume: {path} not found; is {out!r} the directory of a run?")
-    with open(path) as f:
-        saved = json.load(f)
-    for key in _RUN_IDENTITY:
-        if key in saved and saved[key] != getattr(args, key):
-            flag = "--" + key.replace("_", "-")
-            raise UsageError(
-                f"--resume: the run in {out} used {flag} {saved[key]}, got {getattr(args, key)}; "
-                "repeat the original value"
-            )
 
 
 # ------------------------------------------------------------------------------ summary
@@ -362,9 +194,9 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
             f"use a multiple of {n_dev}"
         )
     config = zeropp_config(args)
-    out = args.out or _default_out(args)
+    out = args.out or default_out(args)
     if args.resume:
-        _check_resume(out, args)
+        check_resume(out, args)
     elif latest_checkpoint(out) is not None:
         raise UsageError(
             f"{out} already holds checkpoints; pass --resume to continue that run or choose "
@@ -372,7 +204,7 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
         )
     is_main = jax.process_index() == 0
     if is_main:
-        _check_writable(out)
+        check_writable(out)
 
     corpus = data.load_corpus(max_bytes=args.max_corpus_mb * 2**20)
     entropy = data.unigram_entropy(corpus.train)
@@ -512,7 +344,7 @@ def _train(run: _Run) -> int:
 
     log = None
     if run.main:
-        log = _open_metrics(os.path.join(run.out, "metrics.jsonl"), keep_until=run.start)
+        log = open_metrics(os.path.join(run.out, "metrics.jsonl"), keep_until=run.start)
 
     def emit(record: dict) -> None:
         if log is not None:
@@ -662,6 +494,7 @@ def _ledgers(run: _Run, batch) -> dict[str, Any]:
     """Ledgers of one step of this config and of plain ZeRO-3 (not run). The engine's own
     program is read as lowered; XLA FSDP's collectives exist only once XLA compiled it."""
     import zeropp_jax as zpp
+    from zeropp_jax.baselines import step_ledger
 
     if run.config is None:
         return {
@@ -680,14 +513,13 @@ def _ledgers(run: _Run, batch) -> dict[str, Any]:
         )
     }
     if not run.config.is_zero3:
-        base = zpp.ZeroPPConfig.zero3(compute_dtype=run.config.compute_dtype)
-        base_state = zpp.TrainState.create(
+        ledgers["ZeRO-3"] = step_ledger(
+            train_step,
+            batch,
             apply_fn=run.model.apply,
             params=run.init_params,
             tx=make_optimizer(run.args),
             mesh=run.mesh,
-            config=base,
+            config=zpp.ZeroPPConfig.zero3(compute_dtype=run.config.compute_dtype),
         )
-        step = zpp.shard(train_step, mesh=run.mesh, config=base)
-        ledgers["ZeRO-3"] = zpp.comm_ledger(step, base_state, batch, param_count=run.param_count)
     return ledgers
