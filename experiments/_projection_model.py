@@ -157,7 +157,7 @@ def quant_bytes(config: zpp.ZeroPPConfig, params: float, local_size: int, device
 
 def project_step(
     terms: Sequence[Mapping[str, Any]],
-    config: zpp.ZeroPPConfig,
+    config: zpp.ZeroPPConfig | None,
     model: PaperModel,
     tokens: int,
     gbps: float,
@@ -169,7 +169,12 @@ def project_step(
     bandwidth = sum(term_seconds(t, model_bytes, cluster, inter) for t in terms)
     latency = latency_seconds(terms, model.layers, cluster)
     compute = 6 * model.params * tokens / (cluster.tflops * 1e12)
-    qbytes = quant_bytes(config, model.params, cluster.local_size, cluster.devices)
+    # config None: XLA's FSDP, which quantizes nothing.
+    qbytes = (
+        0.0
+        if config is None
+        else quant_bytes(config, model.params, cluster.local_size, cluster.devices)
+    )
     quant = qbytes / (cluster.quant_gbps * 1e9)
     comm = bandwidth + latency
     return dict(
@@ -192,9 +197,10 @@ def projection_rows(
 ) -> list[dict[str, Any]]:
     """One row per (model, tokens, Gbps): ZeRO-3 and ZeRO++ step times and speedups.
 
-    `terms_by_variant` holds target-mesh terms for "ZeRO-3" and "ZeRO++". With
-    `calibrated_efficiency`, a column `speedup_calibrated` repeats the no-overlap speedup
-    with the inter-node links at that efficiency.
+    `terms_by_variant` holds target-mesh terms for "ZeRO-3" and "ZeRO++", and optionally
+    for XLA's FSDP (`vt.XLA_FSDP`: then the columns `fsdp_comm_s`, `fsdp_step_s` and
+    `speedup_vs_fsdp`). With `calibrated_efficiency`, a column `speedup_calibrated` repeats
+    the no-overlap speedup with the inter-node links at that efficiency.
     """
     rows = []
     for model in models:
@@ -224,6 +230,15 @@ def projection_rows(
                         reported=REPORTED.get(int(gbps), ""),
                     )
                 )
+                if vt.XLA_FSDP in terms_by_variant:
+                    fsdp = project_step(
+                        terms_by_variant[vt.XLA_FSDP], None, model, tokens, gbps, cluster
+                    )
+                    rows[-1].update(
+                        fsdp_comm_s=fsdp["comm_s"],
+                        fsdp_step_s=fsdp["step_s"],
+                        speedup_vs_fsdp=fsdp["step_s"] / zp["step_s"],
+                    )
                 if calibrated_efficiency is not None:
                     slow = dataclasses.replace(cluster, link_efficiency=calibrated_efficiency)
                     cz3, czp = (

@@ -6,11 +6,12 @@
 For each layout (unrolled blocks, `nn.scan` over stacked blocks) and depth, compiles one
 training step (AdamW, bfloat16 compute, global batch 16, sequence 128) and reads
 `compiled.memory_analysis()` per device: plain one-device training of the same per-device
-batch (`jax.jit`, nothing sharded), our ZeRO-3 and ZeRO++ through `zpp.shard` on a 2 x 4
-mesh. No XLA flag other than the emulated device count is set: XLA:CPU's default
-scheduler runs. Reports temp and argument bytes, the temp added per added layer in units
-of one layer's full bfloat16 weights, and the whole model's full bfloat16 weights. Compile
-only; nothing runs. Writes `layer_memory.{md,csv}` into `--out` (default
+batch (`jax.jit`, nothing sharded), XLA's own FSDP (`zeropp_jax.baselines`: `jax.jit`
+with the parameters and optimizer state sharded over all devices), our ZeRO-3 and ZeRO++
+through `zpp.shard`, on a 2 x 4 mesh. No XLA flag other than the emulated device count
+is set: XLA:CPU's default scheduler runs. Reports temp and argument bytes, the temp added
+per added layer in units of one layer's full bfloat16 weights, and the whole model's full
+bfloat16 weights. Compile only; nothing runs. Writes `layer_memory.{md,csv}` into `--out` (default
 `experiments/results`).
 """
 
@@ -33,10 +34,11 @@ import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
+from zeropp_jax import baselines  # noqa: E402
 from zeropp_jax.train.model import GPT, GPTConfig, loss_fn  # noqa: E402
 
 BATCH = 16
-ENGINES = ("one device", "ZeRO-3", "ZeRO++")
+ENGINES = ("one device", "XLA FSDP", "ZeRO-3", "ZeRO++")
 
 
 def train_step(state, batch):
@@ -56,6 +58,10 @@ def compiled_memory(engine: str, cfg: GPTConfig) -> dict[str, int]:
         bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
         state = train_state.TrainState.create(apply_fn=model.apply, params=bf16, tx=tx)
         compiled = jax.jit(train_step).lower(state, batch[: BATCH // 8]).compile()
+    elif engine == "XLA FSDP":
+        mesh = zpp.make_mesh(2, 4)
+        state = baselines.xla_fsdp_state(apply_fn=model.apply, params=params, tx=tx, mesh=mesh)
+        compiled = baselines.xla_fsdp_step(train_step, state, mesh).lower(state, batch).compile()
     else:
         config = zpp.ZeroPPConfig.zero3() if engine == "ZeRO-3" else zpp.ZeroPPConfig()
         mesh = zpp.make_mesh(2, 4)

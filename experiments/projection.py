@@ -1,4 +1,4 @@
-"""Projection: an alpha-beta model of one ZeRO-3 and one ZeRO++ step on 384 GPUs.
+"""Projection: an alpha-beta model of one XLA FSDP, ZeRO-3 and ZeRO++ step on 384 GPUs.
 
     python experiments/projection.py                              # defaults below
     python experiments/projection.py --quant-gbps 700             # measured kernel GB/s
@@ -7,7 +7,9 @@
 What is measured and what is assumed:
 
   * Measured: the bytes each collective sends per device, in units of M, from the ledger
-    of a small GPT's training step on an emulated 2 x 4 mesh (`volume_table.ledger_terms`).
+    of a small GPT's training step on an emulated 2 x 4 mesh (`volume_table.ledger_terms`);
+    for XLA's FSDP, from the program XLA:CPU compiled (float32 gathers, gradients as an
+    all-reduce: what a GPU compile sends may differ).
     They are carried to the target mesh by one rule per collective: the share `(G-1)/G`
     follows the group size G, and a collective over `node` alone moves a slice that is
     1/L of the model (hpZ's secondary shard, qgZ's partial sum after the intra-node hop),
@@ -235,7 +237,7 @@ def calibrate_link(path: pathlib.Path) -> dict[str, Any] | None:
     )
 
 
-CLUSTER_CONFIGS = {"zero3": "ZeRO-3", "zeropp": "ZeRO++"}
+CLUSTER_CONFIGS = {"xla_fsdp": vt.XLA_FSDP, "zero3": "ZeRO-3", "zeropp": "ZeRO++"}
 
 
 def link_check(
@@ -295,7 +297,9 @@ def to_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
         "speedup (full overlap)",
     ]
     calibrated = all("speedup_calibrated" in r for r in rows)
+    fsdp = all("fsdp_step_s" in r for r in rows)
     head += ["speedup (calibrated link)"] if calibrated else []
+    head += ["XLA FSDP step s", "ZeRO++ vs XLA FSDP"] if fsdp else []
     head += ["reported"]
     body = []
     for r in rows:
@@ -314,6 +318,7 @@ def to_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
             ]
             + [f"{r['speedup']:.2f}x", f"{r['speedup_full_overlap']:.2f}x"]
             + ([f"{r['speedup_calibrated']:.2f}x"] if calibrated else [])
+            + ([f"{r['fsdp_step_s']:.3f}", f"{r['speedup_vs_fsdp']:.2f}x"] if fsdp else [])
             + [r["reported"]]
         )
     return _common.markdown_table(head, body, "lrr" + "r" * (len(head) - 4) + "l")
@@ -376,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     start = time.perf_counter()
     size = vt.parse_size(args.gpt)
     measured_mesh, check_mesh = (2, 4), (4, 2)
-    variants = ("ZeRO-3", "ZeRO++")
+    variants = (vt.XLA_FSDP, "ZeRO-3", "ZeRO++")
     measured = measure_terms(variants, size, measured_mesh)
     lines = [f"Ledger measured on GPT {size.label}, mesh 2x4 ({machine})."]
     if not args.no_rescale_check:
@@ -457,6 +462,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             f"cross-node collectives; {node_crossing_M(terms[v], cluster):.4f} M through each "
             "node's NICs (the bandwidth model)."
         )
+    lines.append(
+        f"{vt.XLA_FSDP}: the collectives of the program XLA:CPU compiled for the same step "
+        "(its gathers in float32, its gradients as an all-reduce), timed by the same model; "
+        "a GPU compile chooses its own (bfloat16, and possibly a reduce-scatter), so its "
+        "columns are this CPU program's cost on the cluster, not a GPU measurement."
+    )
     lines.append(f"Assumptions: {cluster}.")
     m18 = next(m for m in MODELS if m.name == "18B")
     ring = project_step(terms["ZeRO-3"], vt.VARIANTS["ZeRO-3"], m18, 1024, 100, cluster)
