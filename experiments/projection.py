@@ -22,12 +22,12 @@ What is measured and what is assumed:
   * Time of a collective: bytes / bandwidth + alpha * messages. A collective over `node`
     alone: the node's L GPUs all send their V bytes through the node's NICs, L * V /
     B_inter. A flat collective over all GPUs in node-major order (a ring): every ring
-    carries V across each node boundary, max(V / B_inter, V / B_intra). ZeRO-3's flat
-    gradient reduction shows in the CPU ledger as an all-to-all (16-bit values moved as
-    uint16 bits, then summed); it is timed as the ring reduce-scatter DeepSpeed runs
-    (`Cluster.flat_as_ring`; timed as a flat all-to-all, the cross-node share of L * V
-    goes through the NICs, and the output says what that would cost). Over `local`:
-    V / B_intra. Messages:
+    carries V across each node boundary, max(V / B_inter, V / B_intra). ZeRO-3's
+    gradient reduction is a ring reduce-scatter (in the CPU ledger a ring of
+    collective-permutes carrying 16-bit values as uint16 bits), timed as a ring, as
+    DeepSpeed's NCCL runs it (`Cluster.flat_as_ring=False` would time a flat all-to-all
+    with its cross-node share of L * V through the NICs). Over `local`: V / B_intra.
+    Messages:
     one coalesced collective per transformer layer per collective kind (scales ride with
     their payload), G - 1 messages each.
   * ASSUMED compute: 50 TFLOPs per GPU sustained (40% of V100's 125 TFLOPs fp16 peak),
@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import math
 import pathlib
 import time
@@ -237,7 +236,10 @@ def calibrate_link(path: pathlib.Path) -> dict[str, Any] | None:
     )
 
 
-CLUSTER_CONFIGS = {"xla_fsdp": vt.XLA_FSDP, "zero3": "ZeRO-3", "zeropp": "ZeRO++"}
+# Not XLA FSDP: its bytes in units of M depend on the model XLA compiled (which leaves it
+# combines, replicates or all-reduces), and the cluster trains another model than the GPT
+# measured here; cluster.md checks its ledger against the link directly.
+CLUSTER_CONFIGS = {"zero3": "ZeRO-3", "zeropp": "ZeRO++"}
 
 
 def link_check(
@@ -386,10 +388,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     lines = [f"Ledger measured on GPT {size.label}, mesh 2x4 ({machine})."]
     if not args.no_rescale_check:
         check = rescale_check(variants, size, measured, measured_mesh, check_mesh)
-        worst = max(abs(r["predicted"] - r["measured"]) for r in check)
+        worst = {
+            v: max(abs(r["predicted"] - r["measured"]) for r in check if r["variant"] == v)
+            for v in variants
+        }
         lines.append(
-            "Rescale rule check, 2x4 -> 4x2 ledger: largest |predicted - measured| over "
-            f"{len(check)} (variant, part, axes, kind) terms = {worst:.4f} M."
+            "Rescale rule check, 2x4 -> 4x2 ledger: largest |predicted - measured| per "
+            "(part, axes, kind) term: "
+            + "; ".join(f"{v} {w:.4f} M" for v, w in worst.items())
+            + ". (XLA's partitioner chooses its collectives for each mesh anew, so its "
+            "ledger does not follow the rule; the engine's collectives do.)"
         )
         lines.append(
             _common.markdown_table(
@@ -471,20 +479,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     lines.append(f"Assumptions: {cluster}.")
     m18 = next(m for m in MODELS if m.name == "18B")
     ring = project_step(terms["ZeRO-3"], vt.VARIANTS["ZeRO-3"], m18, 1024, 100, cluster)
-    a2a = project_step(
-        terms["ZeRO-3"],
-        vt.VARIANTS["ZeRO-3"],
-        m18,
-        1024,
-        100,
-        dataclasses.replace(cluster, flat_as_ring=False),
-    )
     lines.append(
         "ZeRO-3's flat collectives are timed as rings (DeepSpeed's NCCL ring all-gather and "
-        f"reduce-scatter): 18B, 1k tokens/GPU, 100 Gbps: ZeRO-3 step {ring['step_s']:.2f} s. "
-        "Timed as the flat all-to-all that zeropp_jax's 16-bit ZeRO-3 gradient reduction "
-        f"is, it would take {a2a['step_s']:.2f} s (each GPU's cross-node share of the "
-        "all-to-all goes through the node's NICs)."
+        f"reduce-scatter): 18B, 1k tokens/GPU, 100 Gbps: ZeRO-3 step {ring['step_s']:.2f} s."
     )
     rows = projection_rows(terms, cluster, calibrated_efficiency=calibrated)
     by_key = {(r["model"], r["tokens_per_gpu"], r["gbps"]): r for r in rows}
