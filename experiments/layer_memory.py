@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--quick", action="store_true", help="d_model 64, 2 and 4 layers")
     p.add_argument("--out", default=str(_common.RESULTS))
     args = p.parse_args(argv)
+    machine = _common.machine_line()  # before this run writes anything into the tree
     d_model, depths = (64, (2, 4)) if args.quick else (512, (4, 8))
     base = GPTConfig(d_model=d_model, n_heads=8, seq_len=128)
     rows = []
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     _common.write_csv(out / f"{name}.csv", rows)
     head = list(rows[0])
     text = (
-        f"# Compiled memory per device: gathering at use\n\n{_common.machine_line()}."
+        f"# Compiled memory per device: gathering at use\n\n{machine}."
         f"\n\nTrainer's GPT, d_model {d_model}, "
         f"{depths[0]} and {depths[1]} layers, global batch {BATCH}, sequence 128, AdamW, "
         "bfloat16 compute, 2 x 4 mesh (one device: the per-device batch, unsharded). "
