@@ -216,3 +216,21 @@ def test_cli_xla_fsdp_trains_like_zero3(tmp_path, capsys):
     fsdp = [r["loss"] for r in _metrics(tmp_path / "fsdp") if "loss" in r]
     zero3 = [r["loss"] for r in _metrics(tmp_path / "zero3") if "loss" in r]
     np.testing.assert_allclose(fsdp, zero3, rtol=1e-5)
+
+
+def test_readme_shows_the_help_the_parser_prints(monkeypatch):
+    import pathlib
+
+    from zeropp_jax.train import flags
+
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal's width
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = readme.split("<!-- help:start -->\n```text\n", 1)[1].split("```\n<!-- help:end -->")[0]
+    assert shown == flags.build_parser().format_help(), (
+        "README.md's `zeropp-train --help` is stale: replace it with `COLUMNS=100 "
+        "zeropp-train --help`"
+    )
+    # What the issue asked of it: what the program does, and examples of the common runs.
+    assert shown.split("\n\n")[1].startswith("Train a byte-level GPT")
+    for example in ("--engine zero3", "--resume", "--num-processes 2", "zeropp_jax.launch"):
+        assert example in flags.EPILOG
