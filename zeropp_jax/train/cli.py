@@ -261,6 +261,8 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
     lowered_step = step_fn.lower(state, eval_set[0])
     compiled_step = lowered_step.compile()
     compiled_eval = jax.jit(eval_loss).lower(state, eval_set[0]).compile()
+    if not args.no_memory_check:
+        _check_memory({"training step": compiled_step, "evaluation step": compiled_eval}, mesh)
 
     if is_main:
         os.makedirs(out, exist_ok=True)
@@ -295,6 +297,27 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
         t0=t0,
         main=is_main,
     )
+
+
+def _check_memory(compiled: dict[str, Any], mesh) -> None:
+    """Raises `UsageError` when a compiled program needs more memory than a device has;
+    says so on stderr when the devices do not tell their memory."""
+    import jax
+
+    from zeropp_jax.train import fit
+
+    device = mesh.devices.flat[0]
+    local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())
+    capacity = fit.device_capacity(device, local)
+    if capacity is None:
+        print(
+            f"{PROG}: note: no memory check ({device.device_kind} reports no memory limit)",
+            file=sys.stderr,
+        )
+        return
+    problem = fit.fit_error({k: fit.need_of(c) for k, c in compiled.items()}, capacity)
+    if problem:
+        raise UsageError(problem)
 
 
 def _train(run: _Run) -> int:

@@ -277,6 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-ledger", action="store_true", help="skip the communication ledger in the summary"
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="run even when XLA's memory analysis says a step needs more than a device has",
+    )
 
     g = p.add_argument_group("multi-host (jax.distributed)")
     g.add_argument("--coordinator", default=None, help="coordinator address host:port")

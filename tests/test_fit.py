@@ -1,0 +1,76 @@
+"""Whether a compiled step fits its devices (zeropp_jax/train/fit.py), and the trainer's
+check before the first step."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from zeropp_jax.train import fit
+
+GiB = 2**30
+
+
+def test_need_of_counts_arguments_temp_and_outputs_not_donated():
+    x = np.ones((1024, 256), np.float32)  # 1 MiB
+    kept = fit.need_of(jax.jit(lambda a: a @ a.T).lower(x).compile())
+    assert kept.arguments == x.nbytes and kept.outputs == 1024 * 1024 * 4  # the product
+    donated = fit.need_of(jax.jit(lambda a: a * 2, donate_argnums=0).lower(x).compile())
+    assert donated.arguments == x.nbytes and donated.outputs == 0  # reuses the argument
+    assert donated.total == donated.arguments + donated.temp + donated.code
+
+
+def test_a_cpu_device_has_its_share_of_the_host_memory():
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    share, where = fit.device_capacity(jax.devices()[0], 8)
+    assert share == total // 8 and "shared by 8 CPU devices" in where
+
+
+def test_fit_error_names_the_program_both_sizes_and_the_flags():
+    small = fit.Need(arguments=GiB, outputs=0, temp=GiB, code=0)
+    big = fit.Need(arguments=GiB, outputs=0, temp=9 * GiB, code=0)
+    capacity = (4 * GiB, "a test's 4 GiB")
+    assert fit.fit_error({"training step": small}, capacity) is None
+    line = fit.fit_error({"training step": small, "evaluation step": big}, capacity)
+    assert line.startswith("the evaluation step needs 10.74 GB per device")
+    assert "temporaries 9.66 GB" in line and "a device has 4.29 GB (a test's 4 GiB)" in line
+    for flag in ("--batch", "--seq-len", "--nodes", "--no-memory-check"):
+        assert flag in line
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_the_trainer_stops_before_a_step_that_cannot_fit(tmp_path, capsys, monkeypatch, skip):
+    from zeropp_jax.train import cli
+
+    argv = [
+        "--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--seq-len", "4096",
+        "--batch", "8", "--max-corpus-mb", "2", "--eval-batches", "1", "--eval-every", "0",
+        "--no-progress", "--no-ledger", "--steps", "1", "--out", str(tmp_path / "run"),
+    ]  # fmt: skip
+    # Attention over 4096 tokens needs about 1.2 GB of temporaries per device; say a
+    # device has 0.5 GB.
+    monkeypatch.setattr(fit, "device_capacity", lambda device, local: (GiB // 2, "pretend"))
+    if skip:  # --no-memory-check: the check is not made (the step is not run here)
+        checked = []
+        monkeypatch.setattr(fit, "fit_error", lambda *a: checked.append(a))
+        monkeypatch.setattr(cli, "_train", lambda run: 0)
+        assert cli.main([*argv, "--no-memory-check"]) == 0 and checked == []
+        return
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("zeropp-train: error: the training step needs")
+    assert "a device has 0.54 GB (pretend)" in err
+    assert not (tmp_path / "run" / "run.json").exists()  # before the run started
+
+
+def test_a_device_that_reports_no_limit_has_no_capacity():
+    class Device:
+        platform, device_kind = "gpu", "Some GPU"
+
+        def memory_stats(self):
+            return None
+
+    assert fit.device_capacity(Device(), 1) is None
