@@ -39,31 +39,35 @@ def test_fit_error_names_the_program_both_sizes_and_the_flags():
         assert flag in line
 
 
-@pytest.mark.parametrize("skip", [False, True])
-def test_the_trainer_stops_before_a_step_that_cannot_fit(tmp_path, capsys, monkeypatch, skip):
+def _trainer_argv(out, seq_len):
+    return [
+        "--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--seq-len", str(seq_len),
+        "--batch", "8", "--eval-batches", "1", "--eval-every", "0", "--no-progress",
+        "--no-ledger", "--steps", "1", "--out", str(out),
+    ]  # fmt: skip
+
+
+def test_the_trainer_stops_before_a_step_that_cannot_fit(tmp_path, capsys):
+    # The case: attention over 100,000 tokens needs hundreds of GB per device.
     from zeropp_jax.train import cli
 
-    argv = [
-        "--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--seq-len", "4096",
-        "--batch", "8", "--max-corpus-mb", "2", "--eval-batches", "1", "--eval-every", "0",
-        "--no-progress", "--no-ledger", "--steps", "1", "--out", str(tmp_path / "run"),
-    ]  # fmt: skip
-    # Attention over 4096 tokens needs about 1.2 GB of temporaries per device; say a
-    # device has 0.5 GB.
-    monkeypatch.setattr(fit, "device_capacity", lambda device, local: (GiB // 2, "pretend"))
-    if skip:  # --no-memory-check: the check is not made (the step is not run here)
-        checked = []
-        monkeypatch.setattr(fit, "fit_error", lambda *a: checked.append(a))
-        monkeypatch.setattr(cli, "_train", lambda run: 0)
-        assert cli.main([*argv, "--no-memory-check"]) == 0 and checked == []
-        return
     with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
+        cli.main(_trainer_argv(tmp_path / "run", 100_000))
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("zeropp-train: error: the training step needs")
-    assert "a device has 0.54 GB (pretend)" in err
+    assert "GB per device" in err and "of host memory shared by 8 CPU devices" in err
     assert not (tmp_path / "run" / "run.json").exists()  # before the run started
+
+
+def test_no_memory_check_skips_it(tmp_path, monkeypatch):
+    from zeropp_jax.train import cli
+
+    monkeypatch.setattr(fit, "device_capacity", lambda device, local: (1, "pretend"))
+    monkeypatch.setattr(cli, "_train", lambda run: 0)  # set up, then stop
+    with pytest.raises(SystemExit):
+        cli.main(_trainer_argv(tmp_path / "a", 16))  # 1 byte per device: cannot fit
+    assert cli.main([*_trainer_argv(tmp_path / "b", 16), "--no-memory-check"]) == 0
 
 
 def test_a_device_that_reports_no_limit_has_no_capacity():

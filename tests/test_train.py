@@ -148,6 +148,9 @@ def _metrics(out):
         (["--zero3", "--engine", "xla-fsdp"], "--zero3 and --engine xla-fsdp disagree"),
         (["--engine", "xla-fsdp", "--resume"], "writes no checkpoints"),
         (["--engine", "fsdp"], "invalid choice: 'fsdp'"),
+        (["--batch", "7"], "--batch 7 is not divisible by the 8 devices"),
+        (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
+        (["--grad-block-size", "7"], "grad_block_size=7 is not allowed"),
     ],
 )
 def test_cli_bad_flags_give_one_line_and_exit_2(flags, message, capsys, tmp_path):
