@@ -150,7 +150,7 @@ def _metrics(out):
         (["--engine", "fsdp"], "invalid choice: 'fsdp'"),
         (["--batch", "7"], "--batch 7 is not divisible by the 8 devices"),
         (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
-        (["--grad-block-size", "7"], "grad_block_size=7 is not allowed"),
+        (["--grad-block-size", "7"], "error: --grad-block-size 7: ZeroPPConfig.grad_block_size"),
     ],
 )
 def test_cli_bad_flags_give_one_line_and_exit_2(flags, message, capsys, tmp_path):

@@ -331,8 +331,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# ZeroPPConfig fields whose flag is not `--<field>`.
+_FIELD_FLAGS = {"hierarchical": "--no-hierarchical"}
+
+
+def _flags_named_in(message: str, args: argparse.Namespace) -> str:
+    """`--flag value` for each `ZeroPPConfig.<field>` a config error names, e.g.
+    `--grad-block-size 7`; empty when it names none."""
+    import re
+
+    named = []
+    for field in dict.fromkeys(re.findall(r"ZeroPPConfig\.(\w+)", message)):
+        flag = _FIELD_FLAGS.get(field, "--" + field.replace("_", "-"))
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            named.append(flag if isinstance(value, bool) else f"{flag} {value}")
+    return ", ".join(named)
+
+
 def zeropp_config(args: argparse.Namespace):
-    """The `ZeroPPConfig` the flags describe."""
+    """The `ZeroPPConfig` the flags describe; a config error names the flags it came from."""
+    try:
+        return _config(args)
+    except ValueError as e:
+        flags = _flags_named_in(str(e), args)
+        raise UsageError(f"{flags}: {e}" if flags else str(e)) from None
+
+
+def _config(args: argparse.Namespace):
     import zeropp_jax as zpp
 
     return zpp.ZeroPPConfig(
