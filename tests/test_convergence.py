@@ -83,3 +83,21 @@ def test_first_break_is_the_smallest_k_over_the_threshold():
     rows = [dict(k=k, gap_pct=g) for k, g in ((0, 0.0), (8, 1.5), (2, 0.3), (4, 1.2))]
     assert _convergence_report.first_break(rows) == 4
     assert _convergence_report.first_break(rows, threshold=2.0) is None
+
+
+def test_report_only_rewrites_the_tables_from_any_code_and_says_when_it_differs(
+    quick, capsys, monkeypatch
+):
+    # The runs ran other code than this process: nothing trains, the tables are rewritten
+    # from them, and the log names the codes when the runs disagree among themselves.
+    monkeypatch.setattr(convergence, "CODE", dict(CLEAN, commit="e" * 40))
+    for i, name in enumerate(convergence.QUICK_VARIANTS):
+        _record_code(quick / "convergence" / name, dict(CLEAN, commit=str(i) * 40))
+    (quick / "convergence.md").unlink()
+    assert convergence.main(["--quick", "--report-only", "--out", str(quick)]) == 0
+    printed = capsys.readouterr().out
+    assert "python -m zeropp_jax.train" not in printed.split("main study on", 1)[1]  # no run
+    assert "warning: these runs ran different code" in printed
+    rows = list(csv.DictReader(open(quick / "convergence.csv")))
+    assert [r["variant"] for r in rows] == list(convergence.QUICK_VARIANTS)
+    assert (quick / "convergence.md").exists()
