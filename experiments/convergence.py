@@ -430,12 +430,13 @@ def run_study(
             out = root / run.path
             if (out / "summary.json").exists():
                 data[run.name], status[run.name] = read_run(out), "reported"
-                recorded = json.loads((out / "run.json").read_text()).get("provenance", {})
-                codes[run.name] = describe(recorded)
+                codes[run.name] = json.loads((out / "run.json").read_text()).get("provenance", {})
             else:
                 status[run.name] = "not finished"
-        if len(set(codes.values())) > 1:
-            log(f"warning: these runs ran different code: {codes}")
+        first = next(iter(codes.values()), {})
+        if not all(same_code(first, code) for code in codes.values()):
+            shown = {name: describe(code) for name, code in codes.items()}
+            log(f"warning: these runs ran different code: {shown}")
         write(data, status)
         return status
     for run in runs:

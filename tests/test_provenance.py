@@ -12,7 +12,8 @@ def test_provenance_of_this_checkout():
     ).stdout.strip()
     assert record["commit"] == head and len(head) == 40
     assert isinstance(record["dirty"], bool)
-    assert record["dirty"] == bool(record["changed"])
+    code = [p for p in record["changed"] if not p.startswith("experiments/results/")]
+    assert record["dirty"] == bool(code)
     assert record["packages"]["jax"] is not None and record["packages"]["flax"] is not None
 
 
@@ -27,3 +28,16 @@ def test_describe_and_same_code():
     assert not same_code(clean, dict(clean, commit="b" * 40))
     assert not same_code(clean, dict(clean, packages={"jax": "2"}))
     assert not same_code({"commit": None}, {"commit": None})
+
+
+def test_results_files_are_not_code():
+    # A study writes its tracked results as it goes: its later runs still ran clean code.
+    clean = {"commit": "a" * 40, "dirty": False, "changed": [], "packages": {"jax": "1"}}
+    results = dict(clean, changed=["experiments/results/convergence.md"])
+    assert describe(results) == "commit aaaaaaa, clean code (results files changed: 1)"
+    assert same_code(clean, results)
+    # Records from before this rule called such a tree dirty; they count as clean code.
+    assert same_code(clean, dict(results, dirty=True))
+    mixed = dict(clean, dirty=True, changed=["experiments/results/a.md", "zeropp_jax/x.py"])
+    assert not same_code(clean, mixed)
+    assert describe(mixed) == "commit aaaaaaa, tree dirty (zeropp_jax/x.py)"

@@ -20,6 +20,10 @@ SOURCE = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 """The packages whose versions a run records."""
 
+OUTPUTS = ("experiments/results/",)
+"""Where the studies write their results (tracked files): a change there is not a change of
+code, so a study that writes its outputs as it goes still runs one clean commit."""
+
 
 def _git(*args: str) -> str:
     env = dict(os.environ, GIT_OPTIONAL_LOCKS="0")  # read-only: never take the index lock
@@ -50,8 +54,9 @@ def provenance() -> dict[str, Any]:
     Returns:
       `{"commit": full hash or None, "dirty": bool or None, "changed": [paths that differ
       from the commit, tracked files only], "python": version, "packages": {name:
-      version}}`. `commit` and `dirty` are None when the source is not a git checkout
-      (an installed wheel), with the reason under `"git_error"`.
+      version}}`. `dirty` is whether any changed path holds code (outside `OUTPUTS`).
+      `commit` and `dirty` are None when the source is not a git checkout (an installed
+      wheel), with the reason under `"git_error"`.
     """
     record: dict[str, Any] = {
         "commit": None,
@@ -66,9 +71,21 @@ def provenance() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError) as e:
         record["git_error"] = str(e).strip() or type(e).__name__
         return record
-    record["dirty"] = bool(changed)
+    record["dirty"] = bool(_code_changes(changed))
     record["changed"] = changed
     return record
+
+
+def _code_changes(changed: list[str]) -> list[str]:
+    return [path for path in changed if not path.startswith(OUTPUTS)]
+
+
+def _clean_code(record: dict[str, Any]) -> bool:
+    """A known commit with no change of code (records written before `OUTPUTS` existed
+    called results-only changes dirty: they count as clean here)."""
+    if record.get("commit") is None or record.get("dirty") is None:
+        return False
+    return not _code_changes(record.get("changed", []))
 
 
 def describe(record: dict[str, Any]) -> str:
@@ -76,17 +93,19 @@ def describe(record: dict[str, Any]) -> str:
     if record.get("commit") is None:
         return f"commit unknown ({record.get('git_error', 'not a git checkout')})"
     head = record["commit"][:7]
-    if not record["dirty"]:
-        return f"commit {head}, clean tree"
-    return f"commit {head}, tree dirty ({', '.join(record['changed'])})"
+    if not _clean_code(record):
+        return f"commit {head}, tree dirty ({', '.join(_code_changes(record['changed']))})"
+    if record.get("changed"):
+        return f"commit {head}, clean code (results files changed: {len(record['changed'])})"
+    return f"commit {head}, clean tree"
 
 
 def same_code(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two records ran the same code: one clean commit, the same package versions."""
+    """Whether two records ran the same code: one commit with no change of code (results
+    files aside), the same package versions."""
     return (
-        a.get("commit") is not None
+        _clean_code(a)
+        and _clean_code(b)
         and a.get("commit") == b.get("commit")
-        and a.get("dirty") is False
-        and b.get("dirty") is False
         and a.get("packages") == b.get("packages")
     )
