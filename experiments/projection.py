@@ -248,8 +248,8 @@ def link_check(
     """Bytes per step through the emulated cluster's link: the bandwidth model against the
     cluster's measurement, both in units of M per direction.
 
-    The model counts `node_crossing_M` of the 2 x 4 ledger terms, with the flat 16-bit
-    gradient reduction timed as what zeropp_jax runs (an all-to-all) and as a ring. The
+    The model counts `node_crossing_M` of the 2 x 4 ledger terms (flat collectives as
+    rings, which is what the engine runs: ZeRO-3's gradient reduction is a ring). The
     measurement is the busier direction of the veth pair over `2 * params` bytes, averaged
     over the CSV's rates. None without a usable CSV.
     """
@@ -268,13 +268,10 @@ def link_check(
     for config, variant in CLUSTER_CONFIGS.items():
         if config not in measured or variant not in terms_2x4:
             continue
-        as_run = Cluster(num_nodes=2, local_size=4, flat_as_ring=False)
-        as_ring = Cluster(num_nodes=2, local_size=4)
         rows.append(
             dict(
                 variant=variant,
-                model_as_run=node_crossing_M(terms_2x4[variant], as_run),
-                model_rings=node_crossing_M(terms_2x4[variant], as_ring),
+                model=node_crossing_M(terms_2x4[variant], Cluster(num_nodes=2, local_size=4)),
                 measured=float(np.mean(measured[config])),
             )
         )
@@ -444,13 +441,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             "Emulated cluster (2 x 4), bytes per step through the link per direction, units "
             "of M: the bandwidth model on this ledger vs the cluster's measurement.\n\n"
             + _common.markdown_table(
-                ["variant", "model (as run: flat all-to-all)", "model (rings)", "measured"],
-                [
-                    [r["variant"]]
-                    + [f"{r[k]:.3f}" for k in ("model_as_run", "model_rings", "measured")]
-                    for r in checked
-                ],
-                "lrrr",
+                ["variant", "model", "measured"],
+                [[r["variant"]] + [f"{r[k]:.3f}" for k in ("model", "measured")] for r in checked],
+                "lrr",
             )
         )
     cluster = Cluster(

@@ -5,9 +5,10 @@ import os
 
 # The tests' programs are small and run a few steps, so compiling them is most of the
 # suite's time: the tests compile without LLVM's optimisations and with XLA's older
-# elemental CPU emitters, which compile in a third of the time (measured on a 2-core
-# machine). Both sides of every comparison (sharded and unsharded, one process and several)
-# are compiled alike: the subprocesses the tests start inherit these flags.
+# elemental CPU emitters (on a 2-core machine: tests/test_beyond.py's two-hop bound test
+# 43 s -> 12 s, the suite 1035 s -> 558 s). Both sides of every comparison (sharded and
+# unsharded, one process and several) are compiled alike: the subprocesses the tests start
+# inherit these flags.
 TEST_XLA_FLAGS = (
     "--xla_force_host_platform_device_count=8 "
     "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
