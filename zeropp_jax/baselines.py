@@ -85,16 +85,21 @@ def xla_fsdp_state(
     tx: Any,
     mesh: Mesh,
     compute_dtype: Any = jnp.bfloat16,
+    abstract: bool = False,
 ) -> train_state.TrainState:
     """A flax `TrainState` whose parameters and optimizer state are sharded over all devices.
 
     Args:
       apply_fn: the model's apply function, e.g. `model.apply`.
-      params: the parameter tree (global shapes; float32 master weights).
+      params: the parameter tree (global shapes; float32 master weights), or a
+        zero-argument callable returning it (run inside the sharded `jax.jit`, so the
+        unsharded tree is never built).
       tx: an optax `GradientTransformation`.
       mesh: a `('node', 'local')` mesh (`zpp.make_mesh`).
       compute_dtype: the dtype the model computes in; its floating weights are cast to it
         on every call of `state.apply_fn`.
+      abstract: return only the state's `jax.ShapeDtypeStruct`s (shardings set), for
+        lowering and compiling a step from shapes; nothing is computed.
 
     Returns:
       The state, each leaf placed with `fsdp_spec` (the optimizer state is created already
@@ -103,12 +108,17 @@ def xla_fsdp_state(
     _check_mesh(mesh)
     dtype = jnp.dtype(compute_dtype)
 
-    def create(p: Any) -> train_state.TrainState:
+    def create() -> train_state.TrainState:
+        p = params() if callable(params) else params
         return train_state.TrainState.create(apply_fn=_compute_in(apply_fn, dtype), params=p, tx=tx)
 
-    abstract = jax.eval_shape(create, params)
-    shardings = state_shardings(abstract, mesh)
-    return jax.jit(create, out_shardings=shardings)(params)
+    shapes = jax.eval_shape(create)
+    shardings = state_shardings(shapes, mesh)
+    if abstract:
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+        )
+    return jax.jit(create, out_shardings=shardings)()
 
 
 def xla_fsdp_step(
@@ -148,14 +158,17 @@ def step_ledger(
 ) -> Any:
     """The `CommLedger` of one `train_step` on `batch`, under the engine with `config` (a
     `ZeroPPConfig`), or under XLA's FSDP when `config` is None, for the tables that set
-    the engines side by side. Nothing runs: the engine's step is read as lowered, XLA
-    FSDP's as compiled (its collectives exist only once XLA chose them).
+    the engines side by side. Nothing runs and no state is built (the step is lowered from
+    shapes): the engine's step is read as lowered, XLA FSDP's as compiled (its collectives
+    exist only once XLA chose them).
 
     Args:
       train_step: `(state, batch) -> (state, metrics)`.
-      batch: a global batch (or its shape), split over all devices along axis 0.
+      batch: a global batch (or its `jax.ShapeDtypeStruct`), split over all devices along
+        axis 0.
       apply_fn: the model's apply function.
-      params: the parameter tree (global shapes).
+      params: the parameter tree (global shapes), a tree of `jax.ShapeDtypeStruct`s, or a
+        zero-argument callable returning it (traced, not run).
       tx: an optax `GradientTransformation`.
       mesh: a `('node', 'local')` mesh.
       config: a `ZeroPPConfig`, or None for XLA's FSDP in bfloat16.
@@ -166,10 +179,16 @@ def step_ledger(
     from zeropp_jax.engine import TrainState, shard
     from zeropp_jax.ledger import comm_ledger
 
+    batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            np.shape(x), jnp.result_type(x), sharding=NamedSharding(mesh, BATCH_SPEC)
+        ),
+        batch,
+    )
     if config is None:
-        state = xla_fsdp_state(apply_fn=apply_fn, params=params, tx=tx, mesh=mesh)
-        count = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+        state = xla_fsdp_state(apply_fn=apply_fn, params=params, tx=tx, mesh=mesh, abstract=True)
+        count = sum(int(np.size(x)) for x in jax.tree.leaves(state.params))
         step = xla_fsdp_step(train_step, state, mesh)
         return comm_ledger(step, state, batch, param_count=count, compiled=True)
-    state = TrainState.create(apply_fn=apply_fn, params=params, tx=tx, mesh=mesh, config=config)
+    state = TrainState.abstract(apply_fn=apply_fn, params=params, tx=tx, mesh=mesh, config=config)
     return comm_ledger(shard(train_step, mesh=mesh, config=config), state, batch)

@@ -234,8 +234,9 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
 
     Args:
       path: a folder written by `save_checkpoint`.
-      target: a `TrainState.create(...)` on the mesh and config to restore onto; its
-        parameter tree and optimizer must match the saved ones.
+      target: a `TrainState.create(...)` on the mesh and config to restore onto, or a
+        `TrainState.abstract(...)` (shapes only: nothing is built before the restore);
+        its parameter tree and optimizer must match the saved ones.
 
     Returns:
       `target` with step, parameters, optimizer state and skipped-step counter from the
@@ -301,6 +302,7 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
         params=R.join(loaded["params"], residuals),
         opt_state=loaded["opt_state"],
         skipped_steps=loaded["skipped_steps"],
+        grads_finite=jax.device_put(jnp.array(True), replicated),
     )
     # The weight-delta references are rebuilt from the restored parameters by one full
     # gather (they are never read from a checkpoint): the first step after a restore
@@ -328,6 +330,10 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
     missing mass spread over the target's devices; the target's own (zeros) when nothing
     was saved."""
     _, fresh = R.split(target.params)
+    if fresh is not None and any(
+        isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(fresh)
+    ):  # an abstract target: its zeros, made now
+        fresh = R.zeros(target.layouts[1], target.config, target.mesh)
     if fresh is None:
         if loaded is not None:
             warnings.warn(

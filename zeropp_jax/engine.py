@@ -44,16 +44,79 @@ def init_opt_state(
     master: Any,
     leaf_layouts: tuple[part.LeafLayout, ...],
     mesh: Mesh,
+    *,
+    abstract: bool = False,
 ) -> Any:
     """`tx.init(master)` with every leaf shaped like a sharded parameter sharded like one
-    (moments, traces) and everything else (counts, schedules' state) replicated."""
+    (moments, traces) and everything else (counts, schedules' state) replicated; with
+    `abstract`, only its `jax.ShapeDtypeStruct`s (shardings set), nothing allocated."""
     specs = {lo.stored_shape: part.leaf_spec(lo) for lo in leaf_layouts if lo.sharded}
-    abstract = jax.eval_shape(tx.init, master)
+    shapes = jax.eval_shape(tx.init, master)
 
     def sharding(x):
         return NamedSharding(mesh, specs.get(tuple(x.shape), part.REPLICATED))
 
-    return jax.jit(tx.init, out_shardings=jax.tree_util.tree_map(sharding, abstract))(master)
+    shardings = jax.tree_util.tree_map(sharding, shapes)
+    if abstract:
+        return _placed(shapes, shardings)
+    return jax.jit(tx.init, out_shardings=shardings)(master)
+
+
+def _placed(shapes: Any, shardings: Any) -> Any:
+    """`jax.ShapeDtypeStruct`s of `shapes` (a tree of shaped things) with `shardings` (one
+    per leaf, or one for all)."""
+    if isinstance(shardings, NamedSharding):
+        shardings = jax.tree_util.tree_map(lambda _: shardings, shapes)
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
+def _shapes_of(params: Any) -> Any:
+    """The `jax.ShapeDtypeStruct` tree of `params`: a tree of arrays (or of shapes), or a
+    zero-argument callable returning one (traced, not run)."""
+    if callable(params):
+        return jax.eval_shape(params)
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array(x) else x, params
+    )
+
+
+def sharded_init(
+    params_fn: Callable[[], Any],
+    leaf_layouts: tuple[part.LeafLayout, ...],
+    shardings: Sequence[NamedSharding],
+) -> Callable[[], list[jax.Array]]:
+    """The sharded-init program: `params_fn()` turned into the stored (float32, padded)
+    leaves, jitted with `shardings` as `out_shardings`, so that XLA's partitioner computes
+    each device's shard where it lives and no device or host holds the unsharded tree.
+
+    Args:
+      params_fn: a zero-argument callable returning the parameter tree.
+      leaf_layouts: the layout of each leaf (`partition.param_layouts`), in leaf order.
+      shardings: the `NamedSharding` of each stored leaf.
+
+    Returns:
+      The jitted zero-argument program (call it, or `.lower()` it).
+    """
+
+    def init() -> list:
+        leaves = jax.tree_util.tree_leaves(params_fn())
+        return [part.to_master(x, lo) for x, lo in zip(leaves, leaf_layouts, strict=True)]
+
+    return jax.jit(init, out_shardings=list(shardings))
+
+
+def _master(params: Any, leaf_layouts: tuple[part.LeafLayout, ...], shardings: list) -> list:
+    """The stored leaves of `params` (a tree, converted one leaf at a time; or a callable,
+    run by `sharded_init`), placed with `shardings`."""
+    if callable(params):
+        return sharded_init(params, leaf_layouts, shardings)()
+    leaves = jax.tree_util.tree_leaves(params)
+    return [
+        jax.jit(part.to_master, static_argnums=1, out_shardings=s)(x, lo)
+        for x, lo, s in zip(leaves, leaf_layouts, shardings, strict=True)
+    ]
 
 
 class TrainState(train_state.TrainState):
@@ -101,7 +164,11 @@ class TrainState(train_state.TrainState):
         Args:
           apply_fn: the model's apply function (e.g. `model.apply`); it is wrapped into the
             sharded island.
-          params: the model's parameters (e.g. `variables['params']`), unsharded.
+          params: the model's parameters (e.g. `variables['params']`), unsharded; or a
+            zero-argument callable that returns them (e.g.
+            `lambda: model.init(key, x)['params']`): sharded init, run once under `jax.jit`
+            with the stored layout as its output sharding, so that neither a device nor
+            the host ever holds the unsharded tree. Both give bit-identical states.
           tx: any optax transformation.
           mesh: a mesh from `zeropp_jax.make_mesh`.
           config: a `ZeroPPConfig` (default: ZeRO++).
@@ -111,41 +178,107 @@ class TrainState(train_state.TrainState):
           ValueError: for a mesh without `('node', 'local')` axes, a config that is not a
             ZeroPPConfig, or parameters that are not float/int arrays.
         """
+        return cls._build(apply_fn, params, tx, mesh, config, abstract=False, **kwargs)
+
+    @classmethod
+    def abstract(
+        cls,
+        *,
+        apply_fn: Callable[..., Any],
+        params: Any,
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        config: ZeroPPConfig | None = None,
+        **kwargs: Any,
+    ) -> TrainState:
+        """The state `create` would build, as shapes only: every array leaf is a
+        `jax.ShapeDtypeStruct` with its global shape, dtype and sharding; nothing is
+        computed or allocated.
+
+        Plan from it: `zpp.shard(step).lower(state, batch).compile().memory_analysis()`
+        gives the per-device memory of a training step (`batch` may be
+        `jax.ShapeDtypeStruct`s too), and `restore_checkpoint(path, state)` restores onto
+        it without building a state first.
+
+        Args:
+          apply_fn: as for `create`.
+          params: as for `create` (a callable is traced with `jax.eval_shape`, not run), or
+            a tree of `jax.ShapeDtypeStruct`s.
+          tx: as for `create`.
+          mesh: as for `create`.
+          config: as for `create`.
+          **kwargs: other dataclass fields.
+        """
+        return cls._build(apply_fn, params, tx, mesh, config, abstract=True, **kwargs)
+
+    @classmethod
+    def _build(
+        cls,
+        apply_fn: Callable[..., Any],
+        params: Any,
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        config: ZeroPPConfig | None,
+        *,
+        abstract: bool,
+        **kwargs: Any,
+    ) -> TrainState:
         config = ZeroPPConfig() if config is None else config
         if not isinstance(config, ZeroPPConfig):
             raise ValueError(f"config must be a zeropp_jax.ZeroPPConfig, got {type(config)}.")
         mesh_shape(mesh)
-        n = mesh.size
-        layout_tree = part.param_layouts(params, n)
-        leaves, treedef = jax.tree_util.tree_flatten(params)
+        shapes = _shapes_of(params)
+        layout_tree = part.param_layouts(shapes, mesh.size)
+        treedef = jax.tree_util.tree_structure(shapes)
         leaf_layouts = tuple(jax.tree_util.tree_leaves(layout_tree, is_leaf=part.is_layout))
         shardings = [NamedSharding(mesh, part.leaf_spec(lo)) for lo in leaf_layouts]
-        stored = [
-            jax.jit(part.to_master, static_argnums=1, out_shardings=s)(x, lo)
-            for x, lo, s in zip(leaves, leaf_layouts, shardings, strict=True)
-        ]
+        if abstract:
+            stored = [
+                jax.ShapeDtypeStruct(
+                    lo.stored_shape, jnp.float32 if lo.sharded else lo.dtype, sharding=s
+                )
+                for lo, s in zip(leaf_layouts, shardings, strict=True)
+            ]
+        else:
+            stored = _master(params, leaf_layouts, shardings)
         master = jax.tree_util.tree_unflatten(treedef, stored)
-        opt_state = init_opt_state(tx, master, leaf_layouts, mesh)
+        opt_state = init_opt_state(tx, master, leaf_layouts, mesh, abstract=abstract)
 
         layouts = (treedef, leaf_layouts)
         replicated = NamedSharding(mesh, part.REPLICATED)
-        step = jax.device_put(jnp.array(0, jnp.int32), replicated)
+
+        def scalar(value: Any) -> Any:
+            x = jnp.asarray(value)
+            if abstract:
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+            return jax.device_put(x, replicated)
+
+        step = scalar(jnp.int32(0))
         island = make_island_apply(apply_fn, mesh, config, layouts)
         refs = None
         if config.weight_delta_bits is not None:
-            refs = full_weight_references(master, config, mesh, leaf_layouts)
-        master = R.join(master, R.zeros(leaf_layouts, config, mesh))
+            build_refs = lambda m: full_weight_references(m, config, mesh, leaf_layouts)  # noqa: E731
+            if abstract:
+                spec = NamedSharding(mesh, part.REFERENCE_SPEC)
+                refs = _placed(jax.eval_shape(build_refs, master), spec)
+            else:
+                refs = build_refs(master)
+        if abstract:
+            zeros = jax.eval_shape(lambda: R.zeros(leaf_layouts, config, mesh))
+            residuals = _placed(zeros, NamedSharding(mesh, R.SPEC))
+        else:
+            residuals = R.zeros(leaf_layouts, config, mesh)
         return cls(
             step=step,
             apply_fn=IslandApply(island, step if config.stochastic_rounding else None, refs),
-            params=master,
+            params=R.join(master, residuals),
             tx=tx,
             opt_state=opt_state,
             mesh=mesh,
             config=config,
             layouts=layouts,
-            skipped_steps=jax.device_put(jnp.array(0, jnp.int32), replicated),
-            grads_finite=jax.device_put(jnp.array(True), replicated),
+            skipped_steps=scalar(jnp.int32(0)),
+            grads_finite=scalar(True),
             **kwargs,
         )
 
@@ -357,6 +490,8 @@ class ShardedStep:
         sharding = NamedSharding(mesh, part.BATCH_SPEC)
 
         def place(x):
+            if isinstance(x, jax.ShapeDtypeStruct):  # planning: shapes only
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
             if isinstance(x, jax.Array) and not x.is_fully_addressable:
                 return x
             return jax.device_put(x, sharding)

@@ -79,7 +79,7 @@ def layered_scan(
 
     def forward(shards, consts, init, plain, fixed, tie, save):
         """Returns `(carry, ys, saved)`; `saved` (with `save`) holds, per layer, the carry
-        that entered it and its wires: `(stacked, last)`, `last` None without prefetch."""
+        that entered it and its wires, stacked over the layers."""
         if not prefetch:
 
             def iteration(c, x):
@@ -89,25 +89,30 @@ def layered_scan(
                 return new_c, (y, (c, kept(flats, wires)) if save else ())
 
             c, (ys, saved) = lax.scan(iteration, init, (plain, shards))
-            return c, ys, (saved, None)
+            return c, ys, saved
 
-        def iteration(carry, x):
-            c, flats, wires = carry
-            x_plain, next_pieces = x
-            next_flats, next_wires = gathered(next_pieces, fixed, dataflow.first_array(c))
-            new_c, y = step(consts, c, x_plain, flats)
-            return (new_c, next_flats, next_wires), (y, (c, kept(flats, wires)) if save else ())
+        # Iteration i runs layer i and gathers layer i + 1; the last layer runs after the
+        # loop. Each layer's xs are read from the whole stacks and its outputs written
+        # into whole stacks carried through the loop (slicing the stacks around a shorter
+        # loop, and concatenating its outputs with the last layer's, would copy them).
+        def layer(i, c, flats, wires):
+            new_c, y = step(consts, c, _take(plain, i), flats)
+            return new_c, y, ((c, kept(flats, wires)) if save else ())
 
-        flats, wires = gathered([s[0] for s in shards], fixed, tie)
-        carry = (init, flats, wires)
-        ys = saved = None
-        if length > 1:
-            head = ([x[:-1] for x in plain], [s[1:] for s in shards])
-            carry, (ys, saved) = lax.scan(iteration, carry, head)
-        c, flats, wires = carry
-        last_c, last_y = step(consts, c, [x[-1] for x in plain], flats)
-        ys = _append(ys, last_y)
-        return last_c, ys, (saved if save else (), (c, kept(flats, wires)) if save else ())
+        flats, wires = gathered(_take(shards, 0), fixed, tie)
+        shapes = jax.eval_shape(layer, 0, init, flats, wires)
+        ys, saved = (_stack_of(shapes[k], length) for k in (1, 2))
+
+        def iteration(carry, i):
+            c, flats, wires, ys, saved = carry
+            next_flats, next_wires = gathered(_take(shards, i + 1), fixed, dataflow.first_array(c))
+            new_c, y, kept_i = layer(i, c, flats, wires)
+            return (new_c, next_flats, next_wires, _put(ys, y, i), _put(saved, kept_i, i)), None
+
+        carry = (init, flats, wires, ys, saved)
+        (c, flats, wires, ys, saved), _ = lax.scan(iteration, carry, jnp.arange(length - 1))
+        last_c, y, kept_last = layer(length - 1, c, flats, wires)
+        return last_c, _put(ys, y, length - 1), _put(saved, kept_last, length - 1)
 
     def vjp_layer(consts, c_in, x_plain, flats, g_c, g_y):
         """Cotangents of one layer: carry, plain xs, gathered flats, inexact consts."""
@@ -146,17 +151,10 @@ def layered_scan(
         g_cs = [a + b for a, b in zip(g_cs, dcs, strict=True)]
         return dc, g_cs, d_plain, d_pieces
 
-    def at(tree, i):
-        return jax.tree_util.tree_map(lambda a: a[i], tree)
-
-    def between(tree, lo, hi):
-        return jax.tree_util.tree_map(lambda a: a[lo:hi], tree)
-
     def backward(shards, consts, plain, fixed, saved, g_carry, g_ys):
         """Layers in reverse; without prefetch each iteration re-gathers its own layer."""
-        stacked, last = saved
         g_cs = [jnp.zeros_like(x) for x in consts if dataflow.is_inexact(x)]
-        if last is not None:
+        if prefetch:
             return backward_prefetched(shards, consts, plain, fixed, saved, g_carry, g_ys, g_cs)
 
         def iteration(carry, x):
@@ -168,63 +166,64 @@ def layered_scan(
             )
             return (g_c, g_cs), (dp, dpieces)
 
-        xs = (jnp.arange(length), stacked, plain, shards, g_ys)
+        xs = (jnp.arange(length), saved, plain, shards, g_ys)
         (g_c, g_cs), (d_plain, d_pieces) = lax.scan(iteration, (g_carry, g_cs), xs, reverse=True)
         return d_pieces, _consts_cotangent(consts, g_cs), g_c, d_plain
 
     def backward_prefetched(shards, consts, plain, fixed, saved, g_carry, g_ys, g_cs):
         """Layer i - 1 is re-gathered once the cotangent reaching layer i exists, before
-        layer i's backward computes; layers L - 1 and 0 run outside the loop."""
-        stacked, (c_last, kept_last) = saved
+        layer i's backward computes; layers L - 1 and 0 run outside the loop. As in the
+        forward, inputs are read from and gradients written into whole stacks."""
         top = length - 1
 
-        def layer_inputs(i):
-            return [x[i] for x in plain], [y[i] for y in g_ys], [s[i] for s in shards]
+        def regather_layer(i, after):
+            c_in, kept_i = _take(saved, i)
+            return c_in, regather(kept_i, _take(shards, i), fixed, after)
 
-        x_top, gy_top, pieces_top = layer_inputs(top)
-        flats = regather(kept_last, pieces_top, fixed, g_carry)
-        if length > 1:
-            next_flats = regather(
-                at(stacked[1], top - 1), [s[top - 1] for s in shards], fixed, g_carry
+        # Integer xs have float0 cotangents, which are not stacked but made whole.
+        floats = [dataflow.is_inexact(x) for x in plain]
+
+        def grads_of(i, g_c, g_cs, c_in, flats):
+            g_c, g_cs, dp, dpieces = backward_layer(
+                consts, fixed, g_c, g_cs, i, c_in, _take(plain, i), flats, _take(g_ys, i)
             )
-        g_c, g_cs, dp_top, dpieces_top = backward_layer(
-            consts, fixed, g_carry, g_cs, jnp.asarray(top), c_last, x_top, flats, gy_top
-        )
-        if length == 1:
-            d_plain = _append(None, dp_top)
-            d_pieces = _append(None, dpieces_top)
+            dp = [d if f else None for d, f in zip(dp, floats, strict=True)]
+            return g_c, g_cs, (dp, dpieces)
+
+        def layer(i, g_c, g_cs, c_in, flats, bufs):
+            g_c, g_cs, grads = grads_of(i, g_c, g_cs, c_in, flats)
+            return g_c, g_cs, _put(bufs, grads, i)
+
+        def finish(g_c, g_cs, bufs):
+            d_plain, d_pieces = bufs
+            d_plain = [
+                d if f else dataflow.zero_cotangent(x)
+                for d, f, x in zip(d_plain, floats, plain, strict=True)
+            ]
             return d_pieces, _consts_cotangent(consts, g_cs), g_c, d_plain
+
+        c_top, flats = regather_layer(top, g_carry)
+        if length > 1:
+            _, next_flats = regather_layer(top - 1, g_carry)
+        shapes = jax.eval_shape(lambda: grads_of(jnp.asarray(top), g_carry, g_cs, c_top, flats)[2])
+        bufs = _stack_of(shapes, length)
+        g_c, g_cs, bufs = layer(jnp.asarray(top), g_carry, g_cs, c_top, flats, bufs)
+        if length == 1:
+            return finish(g_c, g_cs, bufs)
         flats = next_flats
-        d_plain = d_pieces = None
-        if length > 2:
 
-            def iteration(carry, x):
-                g_c, g_cs, flats = carry
-                i, c_in, x_plain, g_y, kept_prev, pieces_prev = x
-                prev = regather(kept_prev, pieces_prev, fixed, g_c)
-                g_c, g_cs, dp, dpieces = backward_layer(
-                    consts, fixed, g_c, g_cs, i, c_in, x_plain, flats, g_y
-                )
-                return (g_c, g_cs, prev), (dp, dpieces)
+        def iteration(carry, i):  # layers top - 1 down to 1
+            g_c, g_cs, flats, bufs = carry
+            _, prev = regather_layer(i - 1, g_c)
+            c_in, _ = _take(saved, i)
+            g_c, g_cs, bufs = layer(i, g_c, g_cs, c_in, flats, bufs)
+            return (g_c, g_cs, prev, bufs), None
 
-            xs = (
-                jnp.arange(1, top),
-                between(stacked[0], 1, top),
-                [x[1:top] for x in plain],
-                [y[1:top] for y in g_ys],
-                between(stacked[1], 0, top - 1),
-                [s[0 : top - 1] for s in shards],
-            )
-            (g_c, g_cs, flats), (d_plain, d_pieces) = lax.scan(
-                iteration, (g_c, g_cs, flats), xs, reverse=True
-            )
-        x0, gy0, _ = layer_inputs(0)
-        g_c, g_cs, dp0, dpieces0 = backward_layer(
-            consts, fixed, g_c, g_cs, jnp.asarray(0), at(stacked[0], 0), x0, flats, gy0
-        )
-        d_plain = _prepend(dp0, _append(d_plain, dp_top))
-        d_pieces = _prepend(dpieces0, _append(d_pieces, dpieces_top))
-        return d_pieces, _consts_cotangent(consts, g_cs), g_c, d_plain
+        carry = (g_c, g_cs, flats, bufs)
+        (g_c, g_cs, flats, bufs), _ = lax.scan(iteration, carry, jnp.arange(1, top), reverse=True)
+        c0, _ = _take(saved, 0)
+        g_c, g_cs, bufs = layer(jnp.asarray(0), g_c, g_cs, c0, flats, bufs)
+        return finish(g_c, g_cs, bufs)
 
     @jax.custom_vjp
     def run(shards, consts, init, plain, fixed, tie):
@@ -265,15 +264,27 @@ def _consts_cotangent(consts: list[Any], g_cs: list[Any]) -> list[Any]:
     return out
 
 
-def _prepend(first: Any, stacked: Any) -> Any:
-    """`stacked` (leading axis = iterations) with `first` put before it."""
+def _take(stacks: Any, i: Any) -> Any:
+    """Entry `i` (traced or static) along the leading axis of every leaf of `stacks`."""
+    return jax.tree_util.tree_map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), stacks)
+
+
+def _put(stacks: Any, values: Any, i: Any) -> Any:
+    """`stacks` with entry `i` of every leaf set to the matching leaf of `values`."""
     return jax.tree_util.tree_map(
-        lambda x, s: jnp.concatenate([x[None], s], axis=0), first, stacked
+        lambda a, v: lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0), stacks, values
     )
 
 
-def _append(stacked: Any, last: Any) -> Any:
-    """`stacked` (leading axis = iterations, or None for none) with `last` appended."""
-    if stacked is None:
-        return jax.tree_util.tree_map(lambda x: x[None], last)
-    return jax.tree_util.tree_map(lambda s, x: jnp.concatenate([s, x[None]], axis=0), stacked, last)
+def _stack_of(shapes: Any, length: int) -> Any:
+    """Zeros of `length` entries stacked along a new leading axis, one per leaf of
+    `shapes` (`jax.ShapeDtypeStruct`s), varying over the manual axes its leaf varies over
+    (so that a loop may carry it and write the leaf's values into it)."""
+
+    def zeros(x: jax.ShapeDtypeStruct) -> jax.Array:
+        z = jnp.zeros((length, *x.shape), x.dtype)
+        manual = getattr(x, "manual_axis_type", None)
+        varying = tuple(sorted(manual.varying)) if manual is not None else ()
+        return lax.pcast(z, varying, to="varying") if varying else z
+
+    return jax.tree_util.tree_map(zeros, shapes)

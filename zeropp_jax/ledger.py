@@ -411,9 +411,12 @@ def compiled_trip_counts(module: HloModule) -> dict[LoopKey, set[int]]:
 
 
 def _arg_meshes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Iterator[Mesh]:
-    """Meshes of the argument leaves that are `jax.Array`s with a `NamedSharding`."""
+    """Meshes of the argument leaves that are `jax.Array`s or `jax.ShapeDtypeStruct`s with
+    a `NamedSharding`."""
     for leaf in jax.tree_util.tree_leaves((args, kwargs)):
-        if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding):
+        if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) and isinstance(
+            getattr(leaf, "sharding", None), NamedSharding
+        ):
             yield leaf.sharding.mesh
 
 
@@ -505,7 +508,8 @@ def comm_ledger(
         mesh = next(_arg_meshes(args, kwargs), None)
         if mesh is None:
             raise ValueError(
-                "comm_ledger: no argument is a jax.Array with a NamedSharding, so the mesh is "
+                "comm_ledger: no argument is a jax.Array (or jax.ShapeDtypeStruct) with a "
+                "NamedSharding, so the mesh is "
                 "unknown; pass mesh=<the jax.sharding.Mesh the step runs on>."
             )
     if param_count is None and args:

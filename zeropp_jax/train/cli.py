@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zeropp_jax.provenance import provenance
-from zeropp_jax.train.flags import PROG, UsageError, parse_args, zeropp_config
+from zeropp_jax.train.flags import PROG, UsageError, gpt_config, parse_args, zeropp_config
 from zeropp_jax.train.platform import configure_host_devices, initialize_distributed, make_mesh
 from zeropp_jax.train.rundir import (
     check_resume,
@@ -150,11 +150,135 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
         configure_host_devices(args)
         initialize_distributed(args)
+        if args.plan:
+            print(plan_report(args))
+            return 0
         run = _setup(args, t0)
     except (UsageError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     return _train(run)
+
+
+def _check_batch(args: argparse.Namespace, n_dev: int) -> None:
+    if args.batch % n_dev:
+        raise UsageError(
+            f"--batch {args.batch} is not divisible by the {n_dev} devices of the mesh; "
+            f"use a multiple of {n_dev}"
+        )
+
+
+def plan_report(args: argparse.Namespace) -> str:
+    """What `--plan` prints: the step these flags describe, compiled from shapes alone
+    (nothing is initialised or allocated), with XLA's per-device memory analysis beside
+    the analytic estimate of `zeropp_jax.train.plan`, and one step's communication ledger.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import zeropp_jax as zpp
+    from zeropp_jax.partition import BATCH_SPEC
+    from zeropp_jax.train import fit, plan
+    from zeropp_jax.train.model import GPT, init_fn
+    from zeropp_jax.train.model import param_count as param_count_of
+
+    mesh = make_mesh(args)
+    _check_batch(args, mesh.size)
+    config = None if args.engine == "xla-fsdp" else zeropp_config(args)
+    gpt = gpt_config(args)
+    model, tx = GPT(gpt), make_optimizer(args)
+    count = param_count_of(gpt)
+    sharding = jax.sharding.NamedSharding(mesh, BATCH_SPEC)
+    batch = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32, sharding=sharding)
+    if config is None:
+        from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step
+
+        state = xla_fsdp_state(
+            apply_fn=model.apply,
+            params=init_fn(gpt, args.seed),
+            tx=tx,
+            mesh=mesh,
+            compute_dtype=args.compute_dtype,
+            abstract=True,
+        )
+        step = xla_fsdp_step(train_step, state, mesh)
+        layouts = None
+    else:
+        state = zpp.TrainState.abstract(
+            apply_fn=model.apply, params=init_fn(gpt, args.seed), tx=tx, mesh=mesh, config=config
+        )
+        step = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
+        layouts = state.layouts[1]
+    lowered = step.lower(state, batch)
+    need = fit.need_of(lowered.compile())
+    ledger = zpp.comm_ledger(
+        _Prelowered(lowered), batch, mesh=mesh, param_count=count, compiled=config is None
+    )
+    nodes, local = mesh.shape["node"], mesh.shape["local"]
+    est = plan.estimate(
+        gpt,
+        state=state,
+        layouts=layouts,
+        batch=args.batch // mesh.size,
+        seq=args.seq_len,
+        mesh_shape=(nodes, local),
+        compute_bytes=int(np.dtype(args.compute_dtype).itemsize),
+        weight_bits=None if config is None else config.weight_bits,
+        weight_block_size=256 if config is None else config.weight_block_size,
+        hierarchical=config is not None and config.hierarchical,
+        prefetch=config is None or config.prefetch,
+    )
+    scale, unit = (plan.GB, "GB") if need.total >= plan.GB else (1e6, "MB")
+    head = (
+        f"{PROG} --plan: {count / 1e6:.2f}M parameters ({args.model}: d_model {args.d_model}, "
+        f"{args.n_layers} layers, {args.n_heads} heads, vocabulary {args.vocab_size}, "
+        f"{'scanned' if args.scan_layers else 'unrolled'}, remat {args.remat}); "
+        f"{_config_text(config)}; AdamW; a {nodes} x {local} mesh of "
+        f"{jax.default_backend()} devices; batch {args.batch} ({args.batch // mesh.size} per "
+        f"device) x {args.seq_len} tokens. Compiled from shapes; nothing was allocated."
+    )
+    measured = [
+        ("arguments", need.arguments),
+        ("outputs (not donated)", need.outputs),
+        ("temporaries", need.temp),
+        ("generated code", need.code),
+        ("total", need.total),
+    ]
+    lines = [head, "", "memory per device, XLA's memory analysis    | analytic estimate"]
+    terms = est.rows()
+    for i in range(max(len(measured), len(terms))):
+        left = (
+            f"  {measured[i][0]:<24}{measured[i][1] / scale:>10.3f} {unit}"
+            if i < len(measured)
+            else ""
+        )
+        right = f"{terms[i][0]:<16}{terms[i][1] / scale:>10.3f} {unit}" if i < len(terms) else ""
+        lines.append(f"{left:<44}| {right}")
+    lines.append(
+        f"  XLA / estimate: {need.total / est.total:.3f} (the estimate's terms: "
+        "zeropp_jax/train/plan.py)"
+    )
+    m = ledger.model_bytes
+    lines += [
+        "",
+        f"communication per step, M = {m / 1e6:.1f} MB (parameters in 16 bits), from the "
+        f"{'compiled' if config is None else 'lowered'} step:",
+        f"  per device          {ledger.total_bytes / 1e6:>12.1f} MB "
+        f"({ledger.in_units_of_M(ledger.total_bytes):.3f} M)",
+        f"  per node link, each way {ledger.link_bytes / 1e6:>8.1f} MB "
+        f"({ledger.in_units_of_M(ledger.link_bytes):.3f} M)",
+    ]
+    device = mesh.devices.flat[0]
+    capacity = fit.device_capacity(device, len(jax.local_devices()))
+    if capacity is not None:
+        problem = fit.fit_error({"training step": need}, capacity)
+        fits = (
+            f"fits: {need.total / plan.GB:.3f} GB per device of {capacity[0] / plan.GB:.2f} GB "
+            f"({capacity[1]})"
+        )
+        lines += ["", problem or fits]
+    return "\n".join(lines)
 
 
 @dataclasses.dataclass
@@ -184,15 +308,12 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
 
     import zeropp_jax as zpp
     from zeropp_jax.train import data
-    from zeropp_jax.train.model import GPT, GPTConfig, init_params
+    from zeropp_jax.train.model import GPT, init_fn
+    from zeropp_jax.train.model import param_count as param_count_of
 
     mesh = make_mesh(args)
     n_dev = mesh.size
-    if args.batch % n_dev:
-        raise UsageError(
-            f"--batch {args.batch} is not divisible by the {n_dev} devices of the mesh; "
-            f"use a multiple of {n_dev}"
-        )
+    _check_batch(args, n_dev)
     config = zeropp_config(args)
     out = args.out or default_out(args)
     if args.resume:
@@ -208,16 +329,13 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
 
     corpus = data.load_corpus(max_bytes=args.max_corpus_mb * 2**20)
     entropy = data.unigram_entropy(corpus.train)
-    gpt = GPTConfig(
-        seq_len=args.seq_len,
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        scan=args.scan_layers,
-    )
+    gpt = gpt_config(args)
     model = GPT(gpt)
-    params = init_params(gpt, args.seed)
-    param_count = sum(int(x.size) for x in jax.tree.leaves(params))
+    # Sharded init: the parameters are made shard by shard where they live (the unsharded
+    # tree is never built); a resumed run restores onto the state's shapes without
+    # initialising at all.
+    params = init_fn(gpt, args.seed)
+    param_count = param_count_of(gpt)
     if args.engine == "xla-fsdp":
         from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step
 
@@ -231,7 +349,8 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
         )
         step_fn = xla_fsdp_step(train_step, state, mesh)
     else:
-        state = zpp.TrainState.create(
+        build = zpp.TrainState.abstract if args.resume else zpp.TrainState.create
+        state = build(
             apply_fn=model.apply, params=params, tx=make_optimizer(args), mesh=mesh, config=config
         )
         step_fn = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)

@@ -16,6 +16,10 @@ PROG = "zeropp-train"
 
 ENGINES = ("zeropp", "zero3", "xla-fsdp")
 """The values of `--engine`."""
+MODELS = ("tiny", "125m", "350m", "1.3b", "6.7b")
+"""The values of `--model` (the keys of `zeropp_jax.train.model.PRESETS`)."""
+REMATS = ("none", "matmuls", "full")
+"""The values of `--remat` (`zeropp_jax.train.model.REMAT`)."""
 
 
 DESCRIPTION = """\
@@ -32,6 +36,9 @@ examples:
   zeropp-train                                   the embedded default (minutes on a CPU)
   zeropp-train --engine zero3 --out runs/zero3   the same run with plain ZeRO-3
   zeropp-train --engine xla-fsdp                 XLA's own FSDP (jax.jit, sharded state)
+  zeropp-train --model 1.3b --remat full --batch 8 --plan
+                                                 memory per device and bytes per step of a
+                                                 1.3B-parameter step, compiled from shapes
   zeropp-train --out runs/zero3 --resume --engine zero3
                                                  continue a run from its last checkpoint
   zeropp-train --coordinator host0:1234 --num-processes 2 --process-id 0 --out /shared/r
@@ -101,15 +108,37 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("model")
-    g.add_argument("--d-model", type=_positive, default=128, help="residual width (128)")
-    g.add_argument("--n-layers", type=_positive, default=4, help="transformer blocks (4)")
-    g.add_argument("--n-heads", type=_positive, default=4, help="attention heads (4)")
-    g.add_argument("--seq-len", type=_positive, default=128, help="tokens per sequence (128)")
+    g.add_argument(
+        "--model",
+        choices=MODELS,
+        default="tiny",
+        help="GPT size: tiny (byte-level, 0.8M parameters) or GPT-3's shapes with GPT-2's "
+        "vocabulary (50304 tokens): 125m, 350m, 1.3b, 6.7b (tiny); the four flags below "
+        "override its width, depth, heads and context",
+    )
+    g.add_argument("--d-model", type=_positive, default=None, help="residual width (tiny: 128)")
+    g.add_argument("--n-layers", type=_positive, default=None, help="transformer blocks (tiny: 4)")
+    g.add_argument("--n-heads", type=_positive, default=None, help="attention heads (tiny: 4)")
+    g.add_argument(
+        "--seq-len",
+        type=_positive,
+        default=None,
+        help="tokens per sequence, and the learned position table's length (tiny: 128, "
+        "others 2048)",
+    )
     g.add_argument(
         "--scan-layers",
-        action="store_true",
-        help="run the blocks as one nn.scan over stacked weights (each layer gathered "
-        "inside the loop)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the blocks as one nn.scan over stacked weights, each layer gathered inside "
+        "the loop (on); --no-scan-layers: separately named blocks",
+    )
+    g.add_argument(
+        "--remat",
+        choices=REMATS,
+        default="none",
+        help="what the backward keeps of each block: none (everything, no recomputation), "
+        "matmuls (the matmul outputs) or full (only the block's input) (none)",
     )
 
     g = p.add_argument_group("training")
@@ -278,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument(
+        "--plan",
+        action="store_true",
+        help="train nothing: compile the step from shapes alone and print its memory per "
+        "device (XLA's memory analysis beside the analytic estimate) and its bytes per step",
+    )
+    g.add_argument(
         "--no-memory-check",
         action="store_true",
         help="run even when XLA's memory analysis says a step needs more than a device has",
@@ -311,6 +346,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.weight_bits, args.grad_bits, args.no_hierarchical = None, None, True
         args.grad_node_bits, args.weight_delta_bits = "same", None
         args.weight_local_bits, args.error_feedback = "same", "none"
+    _resolve_model(args)
     if args.d_model % args.n_heads:
         raise UsageError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
     if not args.lr > 0 or not math.isfinite(args.lr):
@@ -329,6 +365,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.distributed and args.coordinator is not None:
         raise UsageError("give either --distributed (auto-detect) or --coordinator, not both")
     return args
+
+
+def _resolve_model(args: argparse.Namespace) -> None:
+    """Fills the model flags left unset from the `--model` preset and sets `vocab_size`."""
+    from zeropp_jax.train.model import PRESETS
+
+    preset = PRESETS[args.model]
+    for name in ("d_model", "n_layers", "n_heads", "seq_len"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    args.vocab_size = preset.vocab_size
+
+
+def gpt_config(args: argparse.Namespace):
+    """The `GPTConfig` the (parsed) model flags describe."""
+    from zeropp_jax.train.model import GPTConfig
+
+    return GPTConfig(
+        vocab_size=args.vocab_size,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        scan=args.scan_layers,
+        remat=args.remat,
+    )
 
 
 # ZeroPPConfig fields whose flag is not `--<field>`.

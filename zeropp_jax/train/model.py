@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+REMAT = ("none", "matmuls", "full")
+"""The values of `GPTConfig.remat`."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +40,10 @@ class GPTConfig:
       scan: run the blocks as one `nn.scan` over stacked weights (each leaf of the blocks
         gets a leading layer axis, as MaxText and levanter lay out LLMs) instead of
         `n_layers` separately named blocks.
+      remat: what the backward pass keeps of each block's forward (`nn.remat` around the
+        block): "none" keeps everything (no rematerialisation), "matmuls" keeps the matmul
+        outputs and recomputes the rest (`jax.checkpoint_policies.dots_saveable`), "full"
+        keeps only the block's input and recomputes the block.
     """
 
     vocab_size: int = 256
@@ -45,10 +53,13 @@ class GPTConfig:
     n_heads: int = 4
     mlp_ratio: int = 4
     scan: bool = False
+    remat: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.scan, bool):
             raise ValueError(f"GPTConfig.scan={self.scan!r}; expected True or False.")
+        if self.remat not in REMAT:
+            raise ValueError(f"GPTConfig.remat={self.remat!r}; expected one of {REMAT}.")
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -109,6 +120,16 @@ class ScannedBlock(nn.Module):
         return Block(self.config, name="block")(x), None
 
 
+def _remat(block: type[nn.Module], remat: str, *, scanned: bool) -> type[nn.Module]:
+    """`block` under `nn.remat` with the policy `remat` names ("none": `block` itself).
+    Inside a scan the loop already keeps XLA from merging the recomputation with the
+    forward, so CSE prevention is off there (as flax recommends)."""
+    if remat == "none":
+        return block
+    policy = jax.checkpoint_policies.dots_saveable if remat == "matmuls" else None
+    return nn.remat(block, policy=policy, prevent_cse=not scanned)
+
+
 class GPT(nn.Module):
     """Decoder-only GPT with a tied output head.
 
@@ -133,19 +154,46 @@ class GPT(nn.Module):
         x = embed(tokens) + pos[:seq].astype(embed.embedding.dtype)
         if cfg.scan:
             blocks = nn.scan(
-                ScannedBlock,
+                _remat(ScannedBlock, cfg.remat, scanned=True),
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
                 length=cfg.n_layers,
             )
             x, _ = blocks(cfg, name="blocks")(x, None)
         else:
+            block = _remat(Block, cfg.remat, scanned=False)
             for i in range(cfg.n_layers):
-                x = Block(cfg, name=f"block_{i}")(x)
+                x = block(cfg, name=f"block_{i}")(x)
         x = nn.LayerNorm(name="ln_f")(x)
         return jnp.einsum(
             "bsd,vd->bsv", x, embed.embedding.astype(x.dtype), preferred_element_type=jnp.float32
         )
+
+
+VOCAB = 50304
+"""The presets' vocabulary: GPT-2's 50257 tokens padded to a multiple of 128 (as nanoGPT
+does), so that the embedding divides over a mesh along its vocabulary axis."""
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(),
+    "125m": GPTConfig(vocab_size=VOCAB, seq_len=2048, d_model=768, n_layers=12, n_heads=12),
+    "350m": GPTConfig(vocab_size=VOCAB, seq_len=2048, d_model=1024, n_layers=24, n_heads=16),
+    "1.3b": GPTConfig(vocab_size=VOCAB, seq_len=2048, d_model=2048, n_layers=24, n_heads=16),
+    "6.7b": GPTConfig(vocab_size=VOCAB, seq_len=2048, d_model=4096, n_layers=32, n_heads=32),
+}
+"""The trainer's model sizes (`zeropp-train --model`). `tiny` is the byte-level default;
+the others have the widths, depths and 2048-token context of GPT-3's models of those
+names (Brown et al. 2020, table 2.1; 1.3b with 16 heads of 128 rather than 24) and GPT-2's
+vocabulary (`VOCAB`), so that their parameter counts are the named ones (the byte-level
+data uses token ids 0-255 of it). The widths and depths are those before `scan` and
+`remat`, which the trainer sets from its own flags."""
+
+
+def param_count(config: GPTConfig) -> int:
+    """Parameters of `GPT(config)`, from its shapes (nothing is initialised)."""
+    d, f, L = config.d_model, config.mlp_ratio * config.d_model, config.n_layers
+    per_block = (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+    return config.vocab_size * d + config.seq_len * d + L * per_block + 2 * d
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -171,7 +219,18 @@ def loss_fn(apply_fn, params, batch: jax.Array, *, train: bool = False) -> jax.A
     return cross_entropy(logits, batch[:, 1:])
 
 
+def init_fn(config: GPTConfig, seed: int) -> Callable[[], dict]:
+    """A zero-argument callable returning the float32 parameters of a `GPT(config)` from
+    an integer seed: what `zpp.TrainState.create(params=...)` takes for sharded init."""
+
+    def init() -> dict:
+        tokens = jnp.zeros((1, config.seq_len), dtype=jnp.int32)
+        return GPT(config).init(jax.random.key(seed), tokens)["params"]
+
+    return init
+
+
 def init_params(config: GPTConfig, seed: int) -> dict:
-    """Float32 parameters of a `GPT(config)` from an integer seed."""
-    tokens = jnp.zeros((1, config.seq_len), dtype=jnp.int32)
-    return jax.jit(GPT(config).init)(jax.random.key(seed), tokens)["params"]
+    """Float32 parameters of a `GPT(config)` from an integer seed, materialised on one
+    device (the same values `init_fn` gives under sharded init)."""
+    return jax.jit(init_fn(config, seed))()

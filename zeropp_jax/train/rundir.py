@@ -21,6 +21,7 @@ _RUN_IDENTITY = (
     "n_heads",
     "seq_len",
     "scan_layers",
+    "vocab_size",
     "batch",
     "seed",
     "max_corpus_mb",

@@ -1,0 +1,216 @@
+"""Memory per device of the trainer's GPT presets, compiled from shapes, against the
+analytic estimate of `zeropp_jax.train.plan`.
+
+    python experiments/memory.py                    # 125m..6.7b on 2 x 4 and 16 x 8 meshes
+    python experiments/memory.py --meshes 2x4       # the 8-device mesh only
+    python experiments/memory.py --quick            # tiny, 2 x 4 (seconds; for tests)
+
+For each preset (`zeropp-train --model`: scanned layers, `--remat full`, bfloat16 compute,
+the trainer's AdamW chain, one sequence of 2048 tokens per device) and each mesh, compiles
+one training step from shapes alone (`TrainState.abstract`; nothing is initialised or
+allocated) and reads `compiled.memory_analysis()` per device for four engines: plain data
+parallelism (`jax.jit`, state replicated, batch split), XLA's own FSDP
+(`zeropp_jax.baselines`: `jax.jit` with parameters and optimizer state sharded over all
+devices), our ZeRO-3 and ZeRO++ (`zpp.shard`, state donated). Each row sits against the
+estimate (the module docstring of `zeropp_jax/train/plan.py` writes out every term; XLA's
+FSDP is set against the ZeRO-3 formula, which it would meet if it gathered one layer at a
+time). Each mesh runs in its own process with that many emulated CPU devices. No XLA flag
+other than the device count is set. Compile only.
+
+Writes `memory.{md,csv,png}` into `--out` (default `experiments/results`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+SIZES = ("125m", "350m", "1.3b", "6.7b")
+ENGINES = ("data parallel", "XLA FSDP", "ZeRO-3", "ZeRO++")
+SEQ = 2048
+GB = 1e9
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    nodes, local = (int(v) for v in text.lower().split("x"))
+    return nodes, local
+
+
+def measure(size: str, engine: str, mesh_shape: tuple[int, int], seq: int) -> dict:
+    """One row: the compiled step's per-device memory and the estimate (in this process,
+    which must hold `nodes * local` devices)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import zeropp_jax as zpp
+    from zeropp_jax import baselines
+    from zeropp_jax.partition import BATCH_SPEC
+    from zeropp_jax.train import fit, plan
+    from zeropp_jax.train.cli import make_optimizer, train_step
+    from zeropp_jax.train.flags import gpt_config, parse_args
+    from zeropp_jax.train.model import GPT, init_fn, param_count
+
+    nodes, local = mesh_shape
+    n = nodes * local
+    args = parse_args(
+        ["--model", size, "--remat", "full", "--seq-len", str(seq), "--batch", str(n)]
+    )
+    gpt = gpt_config(args)
+    model, tx = GPT(gpt), make_optimizer(args)
+    mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:n])
+    batch_sharding = NamedSharding(mesh, BATCH_SPEC)
+    batch = jax.ShapeDtypeStruct((n, seq + 1), jnp.int32, sharding=batch_sharding)
+    kw = dict(batch=1, seq=seq, mesh_shape=mesh_shape)
+    t = time.perf_counter()
+    if engine in ("data parallel", "XLA FSDP"):
+        state = baselines.xla_fsdp_state(
+            apply_fn=model.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, abstract=True
+        )
+        if engine == "XLA FSDP":
+            step = baselines.xla_fsdp_step(train_step, state, mesh)
+            est = plan.estimate(gpt, state=state, layouts=None, **kw)
+        else:
+            replicated = NamedSharding(mesh, P())
+            state = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state
+            )
+            shardings = jax.tree.map(lambda x: x.sharding, state)
+            step = jax.jit(
+                train_step,
+                in_shardings=(shardings, batch_sharding),
+                out_shardings=(shardings, replicated),
+                donate_argnums=(0,),
+            )
+            est = plan.estimate(gpt, state=state, layouts=None, replicated=True, **kw)
+    else:
+        config = zpp.ZeroPPConfig.zero3() if engine == "ZeRO-3" else zpp.ZeroPPConfig()
+        state = zpp.TrainState.abstract(
+            apply_fn=model.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, config=config
+        )
+        step = zpp.shard(train_step, donate_state=True)
+        est = plan.estimate(
+            gpt,
+            state=state,
+            layouts=state.layouts[1],
+            weight_bits=config.weight_bits,
+            weight_block_size=config.weight_block_size,
+            hierarchical=config.hierarchical,
+            prefetch=config.prefetch,
+            **kw,
+        )
+    need = fit.need_of(step.lower(state, batch).compile())
+    return {
+        "mesh": f"{nodes}x{local}",
+        "model": size,
+        "params_M": round(param_count(gpt) / 1e6, 1),
+        "engine": engine,
+        "arguments_GB": round(need.arguments / GB, 3),
+        "temp_GB": round(need.temp / GB, 3),
+        "total_GB": round(need.total / GB, 3),
+        "estimate_GB": round(est.total / GB, 3),
+        "xla_over_estimate": round(need.total / est.total, 3),
+        "compile_s": round(time.perf_counter() - t, 1),
+    }
+
+
+def worker(argv: list[str]) -> None:
+    """`--worker MESH SEQ SIZE...`: prints one JSON row per size and engine."""
+    mesh, seq, *sizes = argv
+    shape = _mesh_shape(mesh)
+    _common.request_cpu_devices(shape[0] * shape[1])
+    import warnings
+
+    warnings.simplefilter("ignore")  # the engine's per-leaf notes; the rows say what ran
+    for size in sizes:
+        for engine in ENGINES:
+            print(json.dumps(measure(size, engine, shape, int(seq))), flush=True)
+
+
+def _figure(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meshes = list(dict.fromkeys(r["mesh"] for r in rows))
+    fig, axes = plt.subplots(1, len(meshes), figsize=(6 * len(meshes), 4.2), squeeze=False)
+    for ax, mesh in zip(axes[0], meshes, strict=True):
+        sizes = list(dict.fromkeys(r["model"] for r in rows if r["mesh"] == mesh))
+        width = 0.2
+        for k, engine in enumerate(ENGINES):
+            got = {r["model"]: r for r in rows if r["mesh"] == mesh and r["engine"] == engine}
+            xs = [i + (k - 1.5) * width for i in range(len(sizes))]
+            ax.bar(xs, [got[s]["total_GB"] for s in sizes], width, label=engine)
+            ax.scatter(xs, [got[s]["estimate_GB"] for s in sizes], marker="_", color="k", s=80)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(sizes)), sizes)
+        ax.set_ylabel("GB per device (XLA memory analysis)")
+        ax.set_title(f"{mesh} mesh; black dashes: estimate")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        worker(argv[1:])
+        return []
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--meshes", default="2x4,16x8", help="meshes, NODESxLOCAL, comma-separated")
+    p.add_argument("--sizes", default=",".join(SIZES), help="presets, comma-separated")
+    p.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence (2048)")
+    p.add_argument("--quick", action="store_true", help="tiny on 2 x 4, 128 tokens")
+    p.add_argument("--out", default=str(_common.RESULTS))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.meshes, args.sizes, args.seq = "2x4", "tiny", 128
+    _common.request_cpu_devices(8)
+    machine = _common.machine_line()  # before this run writes anything into the tree
+    rows: list[dict] = []
+    started = time.time()
+    for mesh in args.meshes.split(","):
+        cmd = [sys.executable, __file__, "--worker", mesh, str(args.seq), *args.sizes.split(",")]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=6 * 3600)
+        if proc.returncode:
+            raise SystemExit(f"memory.py: the {mesh} worker failed:\n{proc.stderr[-3000:]}")
+        for line in proc.stdout.splitlines():
+            if line.startswith("{"):
+                rows.append(json.loads(line))
+                print(rows[-1], flush=True)
+    out = pathlib.Path(args.out)
+    name = "memory_quick" if args.quick else "memory"
+    _common.write_csv(out / f"{name}.csv", rows)
+    head = list(rows[0])
+    text = (
+        f"# Memory per device, compiled from shapes\n\n{machine}.\n\n"
+        f"`python experiments/memory.py {' '.join(argv)}`, {time.time() - started:.0f} s. "
+        f"Trainer's GPT presets, scanned, `--remat full`, bfloat16 compute, AdamW, one "
+        f"sequence of {args.seq} tokens per device; `total_GB` is arguments + temporaries + "
+        "outputs not donated + code, per device, by `compiled.memory_analysis()`; "
+        "`estimate_GB` is `zeropp_jax.train.plan.estimate` (XLA FSDP against the ZeRO-3 "
+        "formula). Compile only; no XLA flags beyond the device count.\n\n"
+        + _common.markdown_table(head, [list(r.values()) for r in rows])
+    )
+    _common.write_text(out / f"{name}.md", text)
+    written = [out / f"{name}.md", out / f"{name}.csv"]
+    if not args.quick:
+        _figure(rows, out / f"{name}.png")
+        written.append(out / f"{name}.png")
+    _common.say_written(written)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Planning from shapes: `zeropp-train --plan` against XLA's memory analysis of the step
+built from arrays, the analytic estimate's terms, the presets and `--remat`."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import zeropp_jax as zpp
+from zeropp_jax.train import cli, plan
+from zeropp_jax.train.flags import gpt_config, parse_args
+from zeropp_jax.train.model import GPT, PRESETS, GPTConfig, init_fn, loss_fn, param_count
+
+PLAN_FLAGS = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16"]
+PLAN_FLAGS += ["--batch", "8", "--remat", "full"]
+
+
+def _bytes(report: str, label: str) -> tuple[float, float]:
+    """The figure `label` shows, in bytes, and half its last digit (its rounding)."""
+    value, unit = re.search(rf"{label}\s+([0-9.]+) (GB|MB)", report).groups()
+    scale = 1e9 if unit == "GB" else 1e6
+    return float(value) * scale, 0.5e-3 * scale
+
+
+@pytest.mark.parametrize("engine", ["zeropp", "xla-fsdp"])
+def test_plan_prints_the_memory_analysis_of_the_step_built_from_arrays(engine, capsys):
+    assert cli.main([*PLAN_FLAGS, "--engine", engine, "--plan"]) == 0
+    report = capsys.readouterr().out
+    assert "Compiled from shapes; nothing was allocated." in report
+    # the same step, built from real arrays the way a training run builds it
+    args = parse_args([*PLAN_FLAGS, "--engine", engine])
+    gpt = gpt_config(args)
+    mesh = zpp.make_mesh(2, 4)
+    batch = np.zeros((8, 17), np.int32)
+    if engine == "xla-fsdp":
+        from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step
+
+        state = xla_fsdp_state(
+            apply_fn=GPT(gpt).apply, params=init_fn(gpt, 0), tx=cli.make_optimizer(args), mesh=mesh
+        )
+        step = xla_fsdp_step(cli.train_step, state, mesh)
+    else:
+        state = zpp.TrainState.create(
+            apply_fn=GPT(gpt).apply,
+            params=init_fn(gpt, 0),
+            tx=cli.make_optimizer(args),
+            mesh=mesh,
+            config=zpp.ZeroPPConfig(),
+        )
+        step = zpp.shard(cli.train_step, donate_state=True)
+    m = step.lower(state, batch).compile().memory_analysis()
+    for label, want in (
+        ("arguments", m.argument_size_in_bytes),
+        ("temporaries", m.temp_size_in_bytes),
+    ):
+        shown, rounding = _bytes(report, label)
+        assert want > 100 * rounding  # a figure with three significant digits at least
+        assert shown == pytest.approx(want, abs=rounding), label
+    assert f"{param_count(gpt) / 1e6:.2f}M parameters" in report
+    assert re.search(r"per node link, each way\s+[0-9.]+ MB", report)
+
+
+def test_state_bytes_counts_each_device_s_shard():
+    mesh = zpp.make_mesh(2, 4)
+    gpt = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, scan=True)
+    state = zpp.TrainState.abstract(
+        apply_fn=GPT(gpt).apply,
+        params=init_fn(gpt, 0),
+        tx=optax.adamw(1e-3),
+        mesh=mesh,
+        config=zpp.ZeroPPConfig.zero3(),
+    )
+    padded = sum(lo.padded_size for lo in state.layouts[1])
+    # master + two Adam moments, float32, an eighth each; plus replicated scalars
+    scalars = plan.state_bytes(state) - 3 * 4 * padded // 8
+    assert 0 < scalars < 64
+
+
+def test_estimate_terms():
+    mesh = zpp.make_mesh(2, 4)
+    gpt = dataclasses.replace(PRESETS["125m"], scan=True, remat="full", seq_len=2048)
+    kw = dict(batch=1, seq=2048, mesh_shape=(2, 4))
+    shapes = {}
+    for name, config in (("zero3", zpp.ZeroPPConfig.zero3()), ("zeropp", zpp.ZeroPPConfig())):
+        state = zpp.TrainState.abstract(
+            apply_fn=GPT(gpt).apply,
+            params=init_fn(gpt, 0),
+            tx=optax.adamw(1e-3),
+            mesh=mesh,
+            config=config,
+        )
+        shapes[name] = plan.estimate(
+            gpt,
+            state=state,
+            layouts=state.layouts[1],
+            weight_bits=config.weight_bits,
+            hierarchical=config.hierarchical,
+            **kw,
+        )
+        padded = sum(lo.padded_size for lo in state.layouts[1])
+    z3, zpp_ = shapes["zero3"], shapes["zeropp"]
+    assert z3.secondary == 0
+    # int8 values plus a float32 scale per 256 values, over the 4 devices of a node
+    assert zpp_.secondary == (padded + 4 * padded // 256) // 4
+    assert zpp_.gradients == 4 * padded // 8 and zpp_.update == 3 * zpp_.gradients
+    assert z3.saved == gpt.n_layers * 2 * 2048 * gpt.d_model
+    assert z3.head == 8 * 2048 * gpt.vocab_size
+    assert z3.total == z3.state + max(z3.backward, z3.update)
+
+
+def test_presets_and_their_parameter_counts():
+    counts = {k: param_count(v) for k, v in PRESETS.items()}
+    assert counts["tiny"] < 1e6
+    for name, want in (("125m", 125e6), ("350m", 355e6), ("1.3b", 1.3e9), ("6.7b", 6.7e9)):
+        assert abs(counts[name] - want) / want < 0.02, (name, counts[name])
+    args = parse_args(["--model", "350m", "--seq-len", "128"])
+    gpt = gpt_config(args)
+    assert (gpt.d_model, gpt.n_layers, gpt.n_heads, gpt.seq_len) == (1024, 24, 16, 128)
+    assert gpt.scan and gpt.remat == "none"
+    assert gpt_config(parse_args(["--no-scan-layers"])).scan is False
+
+
+@pytest.mark.parametrize("remat", ["matmuls", "full"])
+def test_remat_changes_memory_not_the_gradient(remat):
+    """On one device, the scanned GPT with `remat` has the gradient of the one without (to
+    float summation order), and its compiled step keeps less."""
+    base = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_layers=3, n_heads=2, scan=True)
+    params = jax.jit(init_fn(base, 0))()
+    batch = jnp.asarray(np.random.RandomState(0).randint(0, 64, (4, 33)), jnp.int32)
+
+    def grads(cfg):
+        return jax.jit(jax.grad(lambda p: loss_fn(GPT(cfg).apply, p, batch)))(params)
+
+    want = grads(base)
+    got = grads(dataclasses.replace(base, remat=remat))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+
+    def temp(cfg):
+        state = train_state.TrainState.create(
+            apply_fn=GPT(cfg).apply, params=params, tx=optax.sgd(0.1)
+        )
+        step = jax.jit(cli.train_step)
+        return step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(dataclasses.replace(base, remat=remat)) < temp(base)

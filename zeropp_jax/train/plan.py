@@ -1,0 +1,185 @@
+"""Memory per device of the trainer's GPT, from shapes alone: the analytic estimate that
+`zeropp-train --plan` and `experiments/memory.py` set beside XLA's memory analysis.
+
+Every term is bytes on one device of an `N = nodes x local` mesh, for a step on `B`
+sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, vocabulary
+`V`, a compute dtype of `c` bytes (2 for bfloat16), AdamW behind global-norm clipping:
+
+  state         the master parameters (float32) and the optimizer state, from the state's
+                shapes and shardings (AdamW on the engine: 12 Psi_pad / N), plus the batch
+  gradients     the reduced gradient, float32, 4 Psi_pad / N, filled in during the backward
+  secondary     hpZ: every sharded leaf's secondary shard, held from the forward to the
+                backward: (weight bits / 8) Psi_pad / local, plus one float32 scale per
+                quantization block (0 without hpZ)
+  whole leaves  the leaves outside the blocks (embeddings, final norm), gathered whole in
+                the compute dtype, and three float32 gradients of them (the tied
+                embedding's two uses and their sum, before it is reduced): (c + 12) Psi_rest
+  saved         what the backward keeps of the forward: remat "full", the L block inputs
+                (c B S d each); "matmuls", L blocks' matmul outputs (16 c B S d each);
+                "none", L blocks' internals
+  block         the backward through one block: its weights gathered in the compute
+                dtype (twice with prefetch) and its full float32 weight gradient before it
+                is reduced, (c (1 + prefetch) + 4) Psi_block, plus the block's internals,
+                B S (17 c d + (4 + c) h S) (its matmuls', norms' and GELU's inputs and
+                outputs, float32 attention scores and compute-dtype probabilities)
+  head          the backward through the output head: float32 logits and their gradient,
+                8 B S V
+  update        the optimizer step: the gradient, the clipped gradient and the update,
+                float32, 3 x 4 Psi_pad / N
+
+  total = state + max(gradients + secondary + whole leaves + saved + max(block, head),
+                      update)
+
+The backward's peak is at the output head or inside the block loop, whichever is larger;
+the update runs after the backward has freed its activations. `Psi_pad` counts the
+parameters with the engine's padding, `Psi_block` one layer's share of the stacked leaves,
+`Psi_rest` the others. For plain data parallelism `N = 1`, there is no secondary shard and
+no gather, and the compute-dtype copy of every weight is held throughout. What the
+estimate leaves out: XLA's small temporaries, and whatever XLA's scheduler keeps alive
+longer than the data dependencies need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from zeropp_jax.train.model import GPTConfig
+
+FLOAT = 4
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Per-device bytes of one training step, term by term (see the module docstring)."""
+
+    state: int
+    gradients: int
+    secondary: int
+    whole_leaves: int
+    saved: int
+    block: int
+    head: int
+    update: int
+
+    @property
+    def backward(self) -> int:
+        """The backward's peak above the state."""
+        held = self.gradients + self.secondary + self.whole_leaves + self.saved
+        return held + max(self.block, self.head)
+
+    @property
+    def total(self) -> int:
+        return self.state + max(self.backward, self.update)
+
+    def rows(self) -> list[tuple[str, int]]:
+        """`(term, bytes)` for each term, then the backward's peak and the total."""
+        return [
+            *dataclasses.asdict(self).items(),
+            ("backward", self.backward),
+            ("total", self.total),
+        ]
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of `state`'s array leaves on one device, from their shapes and shardings
+    (arrays or `jax.ShapeDtypeStruct`s with a `NamedSharding`)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for x in jax.tree_util.tree_leaves(state):
+        if not hasattr(x, "shape") or not hasattr(x, "sharding"):
+            continue
+        local = x.sharding.shard_shape(tuple(x.shape))
+        total += math.prod(local) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def block_internals(gpt: GPTConfig, batch: int, seq: int, c: int) -> int:
+    """One block's activations for `batch` sequences of `seq` tokens (module docstring)."""
+    d, h = gpt.d_model, gpt.n_heads
+    return batch * seq * (17 * c * d + (FLOAT + c) * h * seq)
+
+
+def saved_bytes(gpt: GPTConfig, batch: int, seq: int, c: int) -> int:
+    """What the backward keeps of the forward, by `gpt.remat` (module docstring)."""
+    if gpt.remat == "full":
+        return gpt.n_layers * c * batch * seq * gpt.d_model
+    if gpt.remat == "matmuls":
+        return gpt.n_layers * 16 * c * batch * seq * gpt.d_model
+    return gpt.n_layers * block_internals(gpt, batch, seq, c)
+
+
+def estimate(
+    gpt: GPTConfig,
+    *,
+    state: Any,
+    layouts: Any,
+    batch: int,
+    seq: int,
+    mesh_shape: tuple[int, int],
+    compute_bytes: int = 2,
+    weight_bits: int | None = None,
+    weight_block_size: int = 256,
+    hierarchical: bool = False,
+    prefetch: bool = True,
+    replicated: bool = False,
+) -> Estimate:
+    """The analytic per-device memory of one training step of `GPT(gpt)`.
+
+    Args:
+      gpt: the model's shape (its `remat` picks the activations term).
+      state: the train state (or its `jax.ShapeDtypeStruct`s): its per-device bytes are
+        the state term.
+      layouts: the engine's `LeafLayout`s, in leaf order (`state.layouts[1]`); None for
+        a state that is not the engine's (the parameter counts then come from `gpt`).
+      batch: sequences per device.
+      seq: tokens per sequence.
+      mesh_shape: `(nodes, local)`.
+      compute_bytes: bytes per value of the compute dtype.
+      weight_bits: bits of the weight gathers (None: the compute dtype).
+      weight_block_size: values per quantization block of the weight gathers.
+      hierarchical: hpZ (a secondary shard per leaf).
+      prefetch: the next layer's weights are gathered while this one runs.
+      replicated: plain data parallelism (every device holds everything).
+
+    Returns:
+      The estimate, term by term.
+    """
+    from zeropp_jax.train.model import param_count
+
+    nodes, local = mesh_shape
+    n = 1 if replicated else nodes * local
+    c = compute_bytes
+    if layouts is not None:
+        padded = sum(lo.padded_size for lo in layouts if lo.sharded)
+        block_params = sum(lo.padded_size // lo.lead for lo in layouts if lo.stacked)
+        rest = sum(lo.size for lo in layouts if lo.sharded and not lo.stacked)
+    else:
+        padded = param_count(gpt)
+        rest = (gpt.vocab_size + gpt.seq_len + 2) * gpt.d_model
+        block_params = (padded - rest) // gpt.n_layers
+    secondary = 0
+    if hierarchical and not replicated:
+        bits = 8 * c if weight_bits is None else weight_bits
+        scales = FLOAT * padded // weight_block_size if weight_bits is not None else 0
+        secondary = (bits * padded // 8 + scales) // local
+    inner = block_internals(gpt, batch, seq, c)
+    if replicated:
+        block, whole = inner, c * padded + 3 * FLOAT * rest
+    else:
+        block = (c * (2 if prefetch else 1) + FLOAT) * block_params + inner
+        whole = (c + 3 * FLOAT) * rest
+    return Estimate(
+        state=state_bytes(state) + FLOAT * batch * (seq + 1),
+        gradients=FLOAT * padded // n,
+        secondary=secondary,
+        whole_leaves=whole,
+        saved=saved_bytes(gpt, batch, seq, c),
+        block=block,
+        head=2 * FLOAT * batch * seq * gpt.vocab_size,
+        update=3 * FLOAT * padded // n,
+    )
