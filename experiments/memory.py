@@ -17,7 +17,8 @@ FSDP is set against the ZeRO-3 formula, which it would meet if it gathered one l
 time). Each mesh runs in its own process with that many emulated CPU devices. No XLA flag
 other than the device count is set. Compile only.
 
-Writes `memory.{md,csv,png}` into `--out` (default `experiments/results`).
+Writes `memory.{md,csv,png}` into `--out` (default `experiments/results`); with other
+`--meshes`, `memory_<meshes>.{md,csv,png}`.
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(rows[-1], flush=True)
     out = pathlib.Path(args.out)
     name = "memory_quick" if args.quick else "memory"
+    if not args.quick and args.meshes != "2x4,16x8":
+        name += "_" + args.meshes.replace(",", "_")
     _common.write_csv(out / f"{name}.csv", rows)
     head = list(rows[0])
     text = (

@@ -198,3 +198,13 @@ def test_calibrate_link_recovers_efficiency(tmp_path):
     assert all(f["fitted_s"] == pytest.approx(f["step_s"]) for f in got["fit"])
     assert pj.calibrate_link(tmp_path / "missing.csv") is None
     assert math.isfinite(got["rms_s"])
+
+
+def test_memory_row_sets_the_compiled_step_against_the_estimate():
+    import memory
+
+    row = memory.measure("tiny", "ZeRO++", (2, 4), 32)
+    assert row["engine"] == "ZeRO++" and row["mesh"] == "2x4"
+    # the estimate is of the same size as XLA's figure even for a model this small, where
+    # XLA's small temporaries, which it leaves out, weigh the most
+    assert 0.5 < row["xla_over_estimate"] < 2.0
