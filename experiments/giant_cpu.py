@@ -25,6 +25,8 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
+_common.request_cpu_devices(8)  # what the trainer runs on (for the machine line)
+
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
