@@ -5,6 +5,9 @@ takes before the loss moves.
     python experiments/convergence.py --study events   # k = 0..32 extra 4-bit events (~75 min)
     python experiments/convergence.py --report-only    # rewrite the tables from finished runs
     python experiments/convergence.py --quick --study all --out /tmp/cv   # smoke run
+    python experiments/convergence.py --d-model 256 --n-layers 6 --n-heads 8 --steps 2000 \
+        --variants zero3,xla_fsdp,zeropp,zeropp_delta4 --out experiments/results/large
+                                                       # 4.8M parameters (hours per run)
 
 (times on 2 shared CPU cores). `--seed`, `--variants`, `--ks`, `--events-bits` and
 `--steps` change the study; a run whose folder already holds a finished run of the same
@@ -131,10 +134,14 @@ class Schedule:
     seed: int = 0
     max_corpus_mb: int = 16
     ledger: bool = True  # the communication ledger of one step in summary.json
+    # The studies' recorded runs trained the unrolled blocks (the trainer's default until
+    # the scan became it); kept so that a rerun trains the same model.
+    scan: bool = False
 
     def flags(self) -> list[str]:
         return [
             *([] if self.ledger else ["--no-ledger"]),
+            *([] if self.scan else ["--no-scan-layers"]),
             *("--d-model", str(self.d_model), "--n-layers", str(self.n_layers)),
             *("--n-heads", str(self.n_heads), "--seq-len", str(self.seq_len)),
             *("--batch", str(self.batch), "--steps", str(self.steps)),
@@ -473,6 +480,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ks", default="0,1,2,4,8,16,32", help="k values of the events study")
     p.add_argument("--steps", type=int, default=None, help="override the steps of the study")
     p.add_argument("--seed", type=int, default=None, help="override the seed (default 0)")
+    p.add_argument("--d-model", type=int, default=None, help="override the model width")
+    p.add_argument("--n-layers", type=int, default=None, help="override the model depth")
+    p.add_argument("--n-heads", type=int, default=None, help="override the attention heads")
     p.add_argument("--events-steps", type=int, default=None, help="steps of the events study")
     p.add_argument("--events-bits", type=int, choices=(2, 4, 8), default=4)
     p.add_argument("--budget-min", type=float, default=80.0, help="wall-time bound per study")
@@ -495,6 +505,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seed is not None:
         schedule = dataclasses.replace(schedule, seed=args.seed)
         events_schedule = dataclasses.replace(events_schedule, seed=args.seed)
+    shape = {
+        k: v
+        for k, v in (
+            ("d_model", args.d_model),
+            ("n_layers", args.n_layers),
+            ("n_heads", args.n_heads),
+        )
+        if v is not None
+    }
+    schedule = dataclasses.replace(schedule, **shape)
+    events_schedule = dataclasses.replace(events_schedule, **shape)
     names = QUICK_VARIANTS if args.quick else tuple(VARIANTS)
     if args.variants:
         names = tuple(v.strip() for v in args.variants.split(","))

@@ -63,6 +63,7 @@ def fit_error(needs: dict[str, Need], capacity: tuple[int, str]) -> str | None:
         f"the {name} needs {worst.total / GB:.2f} GB per device (arguments "
         f"{worst.arguments / GB:.2f} GB, temporaries {worst.temp / GB:.2f} GB, by XLA's memory "
         f"analysis) but a device has {limit / GB:.2f} GB ({where}); shrink it with --batch, "
-        "--seq-len, --d-model or --n-layers, or spread it over more devices (--nodes, "
-        "--local); --no-memory-check runs it anyway"
+        "--seq-len, --d-model, --n-layers or --model, keep less for the backward with "
+        "--remat full, or spread it over more devices (--nodes, --local); "
+        "--no-memory-check runs it anyway"
     )
