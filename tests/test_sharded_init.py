@@ -137,3 +137,12 @@ def test_restore_onto_an_abstract_target(mesh, tmp_path):
     assert not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(restored))
     assert_same_arrays(restored, concrete)
     assert int(restored.step) == 3
+
+
+def test_an_abstract_state_cannot_be_stepped(mesh):
+    shapes = zpp.TrainState.abstract(
+        apply_fn=MODEL.apply, params=init_fn(), tx=TX, mesh=mesh, config=CONFIGS["zero3"]
+    )
+    batch = np.zeros((8, GPT_CFG.seq_len + 1), np.int32)
+    with pytest.raises(ValueError, match="TrainState.abstract: shapes only.*TrainState.create"):
+        zpp.shard(train_step)(shapes, batch)

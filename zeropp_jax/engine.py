@@ -514,6 +514,16 @@ class ShardedStep:
         return self._cache[key], batch
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+        shapes = [
+            x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.ShapeDtypeStruct)
+        ]
+        if shapes:
+            raise ValueError(
+                f"the state holds {len(shapes)} jax.ShapeDtypeStructs (a TrainState.abstract: "
+                "shapes only), so there is nothing to train; lower it with step.lower(state, "
+                "batch), restore a checkpoint onto it with zpp.restore_checkpoint, or build "
+                "the state with zpp.TrainState.create to run the step."
+            )
         fn, batch = self._prepare(state, batch)
         return fn(state, batch)
 
