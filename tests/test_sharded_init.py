@@ -59,12 +59,6 @@ def test_sharded_init_equals_eager_init_bit_for_bit(mesh, name):
     lazy = create(mesh, config, init_fn())
     assert_same_arrays(lazy, eager)
     assert lazy.layouts == eager.layouts
-    if name != "zeropp":
-        return
-    # and one training step from each is the same step
-    batch = np.random.RandomState(0).randint(0, 96, (8, GPT_CFG.seq_len + 1)).astype(np.int32)
-    step = zpp.shard(train_step)
-    assert_same_arrays(step(lazy, batch)[0], step(eager, batch)[0])
 
 
 def test_sharded_init_program_holds_no_unsharded_tree(mesh):
