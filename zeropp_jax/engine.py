@@ -514,13 +514,10 @@ class ShardedStep:
         return self._cache[key], batch
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
-        shapes = [
-            x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.ShapeDtypeStruct)
-        ]
-        if shapes:
+        if isinstance(getattr(state, "step", None), jax.ShapeDtypeStruct):
             raise ValueError(
-                f"the state holds {len(shapes)} jax.ShapeDtypeStructs (a TrainState.abstract: "
-                "shapes only), so there is nothing to train; lower it with step.lower(state, "
+                "the state holds jax.ShapeDtypeStructs (a TrainState.abstract: shapes only), "
+                "so there is nothing to train; lower it with step.lower(state, "
                 "batch), restore a checkpoint onto it with zpp.restore_checkpoint, or build "
                 "the state with zpp.TrainState.create to run the step."
             )

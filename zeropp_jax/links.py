@@ -48,7 +48,7 @@ def transfers(
         `(source, target)` pairs.
       in_bytes: operand bytes per device.
       out_bytes: result bytes per device.
-      nodes: node index per logical id (`node_of`).
+      nodes: node index per logical id (`groups.node_of`).
       links: one of `LINK_MODELS`: the algorithms to follow (see the module docstring).
     """
     if links not in LINK_MODELS:

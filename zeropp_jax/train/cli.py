@@ -29,7 +29,13 @@ from typing import Any
 
 from zeropp_jax.provenance import provenance
 from zeropp_jax.train.flags import PROG, UsageError, gpt_config, parse_args, zeropp_config
-from zeropp_jax.train.platform import configure_host_devices, initialize_distributed, make_mesh
+from zeropp_jax.train.platform import (
+    check_batch,
+    configure_host_devices,
+    initialize_distributed,
+    make_mesh,
+)
+from zeropp_jax.train.report import Prelowered, config_text, ledger_table, plan_report
 from zeropp_jax.train.rundir import (
     check_resume,
     check_writable,
@@ -99,40 +105,6 @@ def _fingerprint(rows) -> int:
     return zlib.crc32(np.ascontiguousarray(rows).tobytes())
 
 
-# ------------------------------------------------------------------------------ summary
-
-
-def ledger_table(ledgers: dict[str, Any]) -> str:
-    """Side-by-side table of per-device bytes per step in units of M, one column per
-    ledger, one row per (phase, collective, mesh axes); then the totals per device and
-    through the busiest node's network link in one direction."""
-    rows: dict[tuple, dict[str, float]] = {}
-    for name, ledger in ledgers.items():
-        for (phase, op, axes), num in ledger.bytes_by("phase", "op", "axes").items():
-            rows.setdefault((phase, op, axes), {})[name] = ledger.in_units_of_M(num)
-    order = {"forward": 0, "backward": 1}
-    names = list(ledgers)
-    width = 40
-    lines = [f"{'collective (per device, one step)':<{width}}" + "".join(f"{n:>10}" for n in names)]
-    for key in sorted(rows, key=lambda k: (order.get(k[0], 2), k[1], k[2])):
-        phase, op, axes = key
-        label = f"{phase} {op} over {'+'.join(axes) or '-'}"
-        lines.append(
-            f"{label:<{width}}" + "".join(f"{rows[key].get(n, 0.0):>9.3f}M" for n in names)
-        )
-    for label, attr in (
-        ("total per device", "total_bytes"),
-        ("per node link, each way", "link_bytes"),
-    ):
-        lines.append(
-            f"{label:<{width}}"
-            + "".join(
-                f"{ledgers[n].in_units_of_M(getattr(ledgers[n], attr)):>9.3f}M" for n in names
-            )
-        )
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------------- main
 
 
@@ -151,134 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_host_devices(args)
         initialize_distributed(args)
         if args.plan:
-            print(plan_report(args))
+            print(plan_report(args, train_step=train_step, tx=make_optimizer(args)))
             return 0
         run = _setup(args, t0)
     except (UsageError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     return _train(run)
-
-
-def _check_batch(args: argparse.Namespace, n_dev: int) -> None:
-    if args.batch % n_dev:
-        raise UsageError(
-            f"--batch {args.batch} is not divisible by the {n_dev} devices of the mesh; "
-            f"use a multiple of {n_dev}"
-        )
-
-
-def plan_report(args: argparse.Namespace) -> str:
-    """What `--plan` prints: the step these flags describe, compiled from shapes alone
-    (nothing is initialised or allocated), with XLA's per-device memory analysis beside
-    the analytic estimate of `zeropp_jax.train.plan`, and one step's communication ledger.
-    """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import zeropp_jax as zpp
-    from zeropp_jax.partition import BATCH_SPEC
-    from zeropp_jax.train import fit, plan
-    from zeropp_jax.train.model import GPT, init_fn
-    from zeropp_jax.train.model import param_count as param_count_of
-
-    mesh = make_mesh(args)
-    _check_batch(args, mesh.size)
-    config = None if args.engine == "xla-fsdp" else zeropp_config(args)
-    gpt = gpt_config(args)
-    model, tx = GPT(gpt), make_optimizer(args)
-    count = param_count_of(gpt)
-    sharding = jax.sharding.NamedSharding(mesh, BATCH_SPEC)
-    batch = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32, sharding=sharding)
-    if config is None:
-        from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step
-
-        state = xla_fsdp_state(
-            apply_fn=model.apply,
-            params=init_fn(gpt, args.seed),
-            tx=tx,
-            mesh=mesh,
-            compute_dtype=args.compute_dtype,
-            abstract=True,
-        )
-        step = xla_fsdp_step(train_step, state, mesh)
-        layouts = None
-    else:
-        state = zpp.TrainState.abstract(
-            apply_fn=model.apply, params=init_fn(gpt, args.seed), tx=tx, mesh=mesh, config=config
-        )
-        step = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
-        layouts = state.layouts[1]
-    lowered = step.lower(state, batch)
-    need = fit.need_of(lowered.compile())
-    ledger = zpp.comm_ledger(
-        _Prelowered(lowered), batch, mesh=mesh, param_count=count, compiled=config is None
-    )
-    nodes, local = mesh.shape["node"], mesh.shape["local"]
-    est = plan.estimate(
-        gpt,
-        state=state,
-        layouts=layouts,
-        batch=args.batch // mesh.size,
-        seq=args.seq_len,
-        mesh_shape=(nodes, local),
-        compute_bytes=int(np.dtype(args.compute_dtype).itemsize),
-        weight_bits=None if config is None else config.weight_bits,
-        weight_block_size=256 if config is None else config.weight_block_size,
-        hierarchical=config is not None and config.hierarchical,
-        prefetch=config is None or config.prefetch,
-    )
-    scale, unit = (plan.GB, "GB") if need.total >= plan.GB else (1e6, "MB")
-    head = (
-        f"{PROG} --plan: {count / 1e6:.2f}M parameters ({args.model}: d_model {args.d_model}, "
-        f"{args.n_layers} layers, {args.n_heads} heads, vocabulary {args.vocab_size}, "
-        f"{'scanned' if args.scan_layers else 'unrolled'}, remat {args.remat}); "
-        f"{_config_text(config)}; AdamW; a {nodes} x {local} mesh of "
-        f"{jax.default_backend()} devices; batch {args.batch} ({args.batch // mesh.size} per "
-        f"device) x {args.seq_len} tokens. Compiled from shapes; nothing was allocated."
-    )
-    measured = [
-        ("arguments", need.arguments),
-        ("outputs (not donated)", need.outputs),
-        ("temporaries", need.temp),
-        ("generated code", need.code),
-        ("total", need.total),
-    ]
-    lines = [head, "", "memory per device, XLA's memory analysis    | analytic estimate"]
-    terms = est.rows()
-    for i in range(max(len(measured), len(terms))):
-        left = (
-            f"  {measured[i][0]:<24}{measured[i][1] / scale:>10.3f} {unit}"
-            if i < len(measured)
-            else ""
-        )
-        right = f"{terms[i][0]:<16}{terms[i][1] / scale:>10.3f} {unit}" if i < len(terms) else ""
-        lines.append(f"{left:<44}| {right}")
-    lines.append(
-        f"  XLA / estimate: {need.total / est.total:.3f} (the estimate's terms: "
-        "zeropp_jax/train/plan.py)"
-    )
-    m = ledger.model_bytes
-    lines += [
-        "",
-        f"communication per step, M = {m / 1e6:.1f} MB (parameters in 16 bits), from the "
-        f"{'compiled' if config is None else 'lowered'} step:",
-        f"  per device          {ledger.total_bytes / 1e6:>12.1f} MB "
-        f"({ledger.in_units_of_M(ledger.total_bytes):.3f} M)",
-        f"  per node link, each way {ledger.link_bytes / 1e6:>8.1f} MB "
-        f"({ledger.in_units_of_M(ledger.link_bytes):.3f} M)",
-    ]
-    device = mesh.devices.flat[0]
-    capacity = fit.device_capacity(device, len(jax.local_devices()))
-    if capacity is not None:
-        problem = fit.fit_error({"training step": need}, capacity)
-        fits = (
-            f"fits: {need.total / plan.GB:.3f} GB per device of {capacity[0] / plan.GB:.2f} GB "
-            f"({capacity[1]})"
-        )
-        lines += ["", problem or fits]
-    return "\n".join(lines)
 
 
 @dataclasses.dataclass
@@ -313,7 +164,7 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
 
     mesh = make_mesh(args)
     n_dev = mesh.size
-    _check_batch(args, n_dev)
+    check_batch(args, n_dev)
     config = zeropp_config(args)
     out = args.out or default_out(args)
     if args.resume:
@@ -505,7 +356,7 @@ def _train(run: _Run) -> int:
     say(
         f"{run.param_count / 1e6:.2f}M parameters on a {run.mesh.shape['node']} x "
         f"{run.mesh.shape['local']} ('node', 'local') mesh of {jax.default_backend()} devices; "
-        f"config {_config_text(run.config)}; corpus {len(run.corpus.train) / 1e6:.1f}M train "
+        f"config {config_text(run.config)}; corpus {len(run.corpus.train) / 1e6:.1f}M train "
         f"/ {len(run.corpus.val) / 1e6:.2f}M val bytes, unigram entropy "
         f"{run.entropy:.3f} nats ({data.bits(run.entropy):.2f} bits) per byte; out {run.out}"
     )
@@ -609,29 +460,6 @@ def _train(run: _Run) -> int:
     return 0
 
 
-def _config_text(config) -> str:
-    if config is None:
-        return "XLA FSDP (jax.jit, parameters and optimizer state sharded over all devices)"
-    if config.is_zero3:
-        return f"ZeRO-3 ({config.compute_dtype.name})"
-    return (
-        f"ZeRO++ (weights {config.weight_bits or 'unquantized'}"
-        f"{'-bit' if config.weight_bits else ''}, hpZ {'on' if config.hierarchical else 'off'}, "
-        f"gradients {config.grad_bits or 'unquantized'}{'-bit' if config.grad_bits else ''}, "
-        f"{config.compute_dtype.name})"
-    )
-
-
-class _Prelowered:
-    """Hands `comm_ledger` a lowering made earlier instead of tracing the step again."""
-
-    def __init__(self, lowered):
-        self._lowered = lowered
-
-    def lower(self, *args, **kwargs):
-        return self._lowered
-
-
 def _ledgers(run: _Run, batch) -> dict[str, Any]:
     """Ledgers of one step of this config and of plain ZeRO-3 (not run). The engine's own
     program is read as lowered; XLA FSDP's collectives exist only once XLA compiled it."""
@@ -641,7 +469,7 @@ def _ledgers(run: _Run, batch) -> dict[str, Any]:
     if run.config is None:
         return {
             "XLA FSDP": zpp.comm_ledger(
-                _Prelowered(run.lowered_step),
+                Prelowered(run.lowered_step),
                 batch,
                 mesh=run.mesh,
                 param_count=run.param_count,
@@ -651,7 +479,7 @@ def _ledgers(run: _Run, batch) -> dict[str, Any]:
     name = "ZeRO-3" if run.config.is_zero3 else "ZeRO++"
     ledgers = {
         name: zpp.comm_ledger(
-            _Prelowered(run.lowered_step), batch, mesh=run.mesh, param_count=run.param_count
+            Prelowered(run.lowered_step), batch, mesh=run.mesh, param_count=run.param_count
         )
     }
     if not run.config.is_zero3:

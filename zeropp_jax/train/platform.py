@@ -7,6 +7,8 @@ import argparse
 import importlib.util
 import os
 
+from zeropp_jax.train.flags import UsageError
+
 _ACCELERATOR_PLUGINS = (
     "jax_cuda13_plugin",
     "jax_cuda12_plugin",
@@ -92,3 +94,13 @@ def make_mesh(args: argparse.Namespace):
         n = jax.device_count()
         nodes = 2 if n % 2 == 0 else 1
     return zpp.make_mesh(num_nodes=nodes, local_size=local)
+
+
+def check_batch(args: argparse.Namespace, n_dev: int) -> None:
+    """Raises `UsageError` unless `--batch` divides over the mesh's `n_dev` devices."""
+
+    if args.batch % n_dev:
+        raise UsageError(
+            f"--batch {args.batch} is not divisible by the {n_dev} devices of the mesh; "
+            f"use a multiple of {n_dev}"
+        )

@@ -1,0 +1,179 @@
+"""What the trainer prints besides its progress: the ledger table of its summary, the
+one-line name of its engine, and the `--plan` report."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from zeropp_jax.train.flags import PROG, gpt_config, zeropp_config
+from zeropp_jax.train.platform import check_batch, make_mesh
+
+
+def ledger_table(ledgers: dict[str, Any]) -> str:
+    """Side-by-side table of per-device bytes per step in units of M, one column per
+    ledger, one row per (phase, collective, mesh axes); then the totals per device and
+    through the busiest node's network link in one direction."""
+    rows: dict[tuple, dict[str, float]] = {}
+    for name, ledger in ledgers.items():
+        for (phase, op, axes), num in ledger.bytes_by("phase", "op", "axes").items():
+            rows.setdefault((phase, op, axes), {})[name] = ledger.in_units_of_M(num)
+    order = {"forward": 0, "backward": 1}
+    names = list(ledgers)
+    width = 40
+    lines = [f"{'collective (per device, one step)':<{width}}" + "".join(f"{n:>10}" for n in names)]
+    for key in sorted(rows, key=lambda k: (order.get(k[0], 2), k[1], k[2])):
+        phase, op, axes = key
+        label = f"{phase} {op} over {'+'.join(axes) or '-'}"
+        lines.append(
+            f"{label:<{width}}" + "".join(f"{rows[key].get(n, 0.0):>9.3f}M" for n in names)
+        )
+    for label, attr in (
+        ("total per device", "total_bytes"),
+        ("per node link, each way", "link_bytes"),
+    ):
+        lines.append(
+            f"{label:<{width}}"
+            + "".join(
+                f"{ledgers[n].in_units_of_M(getattr(ledgers[n], attr)):>9.3f}M" for n in names
+            )
+        )
+    return "\n".join(lines)
+
+
+def config_text(config: Any) -> str:
+    """One line naming the engine a `ZeroPPConfig` (None: XLA FSDP) runs."""
+    if config is None:
+        return "XLA FSDP (jax.jit, parameters and optimizer state sharded over all devices)"
+    if config.is_zero3:
+        return f"ZeRO-3 ({config.compute_dtype.name})"
+    return (
+        f"ZeRO++ (weights {config.weight_bits or 'unquantized'}"
+        f"{'-bit' if config.weight_bits else ''}, hpZ {'on' if config.hierarchical else 'off'}, "
+        f"gradients {config.grad_bits or 'unquantized'}{'-bit' if config.grad_bits else ''}, "
+        f"{config.compute_dtype.name})"
+    )
+
+
+class Prelowered:
+    """Hands `comm_ledger` a lowering made earlier instead of tracing the step again."""
+
+    def __init__(self, lowered):
+        self._lowered = lowered
+
+    def lower(self, *args, **kwargs):
+        return self._lowered
+
+
+def plan_report(args: argparse.Namespace, *, train_step: Callable, tx: Any) -> str:
+    """What `--plan` prints: the step these flags describe (`train_step` with optimizer
+    `tx`), compiled from shapes alone (nothing is initialised or allocated), with XLA's
+    per-device memory analysis beside the analytic estimate of `zeropp_jax.train.plan`,
+    and one step's communication ledger."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import zeropp_jax as zpp
+    from zeropp_jax.partition import BATCH_SPEC
+    from zeropp_jax.train import fit, plan
+    from zeropp_jax.train.model import GPT, init_fn
+    from zeropp_jax.train.model import param_count as param_count_of
+
+    mesh = make_mesh(args)
+    check_batch(args, mesh.size)
+    config = None if args.engine == "xla-fsdp" else zeropp_config(args)
+    gpt = gpt_config(args)
+    model = GPT(gpt)
+    count = param_count_of(gpt)
+    sharding = jax.sharding.NamedSharding(mesh, BATCH_SPEC)
+    batch = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32, sharding=sharding)
+    if config is None:
+        from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step
+
+        state = xla_fsdp_state(
+            apply_fn=model.apply,
+            params=init_fn(gpt, args.seed),
+            tx=tx,
+            mesh=mesh,
+            compute_dtype=args.compute_dtype,
+            abstract=True,
+        )
+        step = xla_fsdp_step(train_step, state, mesh)
+        layouts = None
+    else:
+        state = zpp.TrainState.abstract(
+            apply_fn=model.apply, params=init_fn(gpt, args.seed), tx=tx, mesh=mesh, config=config
+        )
+        step = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
+        layouts = state.layouts[1]
+    lowered = step.lower(state, batch)
+    need = fit.need_of(lowered.compile())
+    ledger = zpp.comm_ledger(
+        Prelowered(lowered), batch, mesh=mesh, param_count=count, compiled=config is None
+    )
+    nodes, local = mesh.shape["node"], mesh.shape["local"]
+    est = plan.estimate(
+        gpt,
+        state=state,
+        layouts=layouts,
+        batch=args.batch // mesh.size,
+        seq=args.seq_len,
+        mesh_shape=(nodes, local),
+        compute_bytes=int(np.dtype(args.compute_dtype).itemsize),
+        weight_bits=None if config is None else config.weight_bits,
+        weight_block_size=256 if config is None else config.weight_block_size,
+        hierarchical=config is not None and config.hierarchical,
+        prefetch=config is None or config.prefetch,
+    )
+    scale, unit = (plan.GB, "GB") if need.total >= plan.GB else (1e6, "MB")
+    head = (
+        f"{PROG} --plan: {count / 1e6:.2f}M parameters ({args.model}: d_model {args.d_model}, "
+        f"{args.n_layers} layers, {args.n_heads} heads, vocabulary {args.vocab_size}, "
+        f"{'scanned' if args.scan_layers else 'unrolled'}, remat {args.remat}); "
+        f"{config_text(config)}; AdamW; a {nodes} x {local} mesh of "
+        f"{jax.default_backend()} devices; batch {args.batch} ({args.batch // mesh.size} per "
+        f"device) x {args.seq_len} tokens. Compiled from shapes; nothing was allocated."
+    )
+    measured = [
+        ("arguments", need.arguments),
+        ("outputs (not donated)", need.outputs),
+        ("temporaries", need.temp),
+        ("generated code", need.code),
+        ("total", need.total),
+    ]
+    lines = [head, "", "memory per device, XLA's memory analysis    | analytic estimate"]
+    terms = est.rows()
+    for i in range(max(len(measured), len(terms))):
+        left = (
+            f"  {measured[i][0]:<24}{measured[i][1] / scale:>10.3f} {unit}"
+            if i < len(measured)
+            else ""
+        )
+        right = f"{terms[i][0]:<16}{terms[i][1] / scale:>10.3f} {unit}" if i < len(terms) else ""
+        lines.append(f"{left:<44}| {right}")
+    lines.append(
+        f"  XLA / estimate: {need.total / est.total:.3f} (the estimate's terms: "
+        "zeropp_jax/train/plan.py)"
+    )
+    m = ledger.model_bytes
+    lines += [
+        "",
+        f"communication per step, M = {m / 1e6:.1f} MB (parameters in 16 bits), from the "
+        f"{'compiled' if config is None else 'lowered'} step:",
+        f"  per device          {ledger.total_bytes / 1e6:>12.1f} MB "
+        f"({ledger.in_units_of_M(ledger.total_bytes):.3f} M)",
+        f"  per node link, each way {ledger.link_bytes / 1e6:>8.1f} MB "
+        f"({ledger.in_units_of_M(ledger.link_bytes):.3f} M)",
+    ]
+    device = mesh.devices.flat[0]
+    capacity = fit.device_capacity(device, len(jax.local_devices()))
+    if capacity is not None:
+        problem = fit.fit_error({"training step": need}, capacity)
+        fits = (
+            f"fits: {need.total / plan.GB:.3f} GB per device of {capacity[0] / plan.GB:.2f} GB "
+            f"({capacity[1]})"
+        )
+        lines += ["", problem or fits]
+    return "\n".join(lines)
