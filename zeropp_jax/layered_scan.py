@@ -55,6 +55,11 @@ def layered_scan(
     def kept(flats, wires):
         return [f if keep else w for f, w, keep in zip(flats, wires, small, strict=True)]
 
+    carry_dtypes = [jnp.result_type(x) for x in init]
+
+    def unbits(c):
+        return [_from_bits(x, d) for x, d in zip(c, carry_dtypes, strict=True)]
+
     def step(consts, carry, x_plain, flats):
         weights = [
             dataflow.apply_chain(dataflow.unpiece_layer(g, lz.leaf, f), lz.chain)
@@ -86,7 +91,7 @@ def layered_scan(
                 x_plain, pieces = x
                 flats, wires = gathered(pieces, fixed, dataflow.first_array(c))
                 new_c, y = step(consts, c, x_plain, flats)
-                return new_c, (y, (c, kept(flats, wires)) if save else ())
+                return new_c, (y, (_to_bits(c), kept(flats, wires)) if save else ())
 
             c, (ys, saved) = lax.scan(iteration, init, (plain, shards))
             return c, ys, saved
@@ -97,7 +102,7 @@ def layered_scan(
         # loop, and concatenating its outputs with the last layer's, would copy them).
         def layer(i, c, flats, wires):
             new_c, y = step(consts, c, _take(plain, i), flats)
-            return new_c, y, ((c, kept(flats, wires)) if save else ())
+            return new_c, y, ((_to_bits(c), kept(flats, wires)) if save else ())
 
         flats, wires = gathered(_take(shards, 0), fixed, tie)
         shapes = jax.eval_shape(layer, 0, init, flats, wires)
@@ -161,6 +166,7 @@ def layered_scan(
             g_c, g_cs = carry
             i, (c_in, kept_i), x_plain, pieces, g_y = x
             flats = regather(kept_i, pieces, fixed, g_c)
+            c_in = unbits(c_in)
             g_c, g_cs, dp, dpieces = backward_layer(
                 consts, fixed, g_c, g_cs, i, c_in, x_plain, flats, g_y
             )
@@ -178,7 +184,7 @@ def layered_scan(
 
         def regather_layer(i, after):
             c_in, kept_i = _take(saved, i)
-            return c_in, regather(kept_i, _take(shards, i), fixed, after)
+            return unbits(c_in), regather(kept_i, _take(shards, i), fixed, after)
 
         # Integer xs have float0 cotangents, which are not stacked but made whole.
         floats = [dataflow.is_inexact(x) for x in plain]
@@ -215,13 +221,13 @@ def layered_scan(
         def iteration(carry, i):  # layers top - 1 down to 1
             g_c, g_cs, flats, bufs = carry
             _, prev = regather_layer(i - 1, g_c)
-            c_in, _ = _take(saved, i)
+            c_in = unbits(_take(saved, i)[0])
             g_c, g_cs, bufs = layer(i, g_c, g_cs, c_in, flats, bufs)
             return (g_c, g_cs, prev, bufs), None
 
         carry = (g_c, g_cs, flats, bufs)
         (g_c, g_cs, flats, bufs), _ = lax.scan(iteration, carry, jnp.arange(1, top), reverse=True)
-        c0, _ = _take(saved, 0)
+        c0 = unbits(_take(saved, 0)[0])
         g_c, g_cs, bufs = layer(jnp.asarray(0), g_c, g_cs, c0, flats, bufs)
         return finish(g_c, g_cs, bufs)
 
@@ -262,6 +268,31 @@ def _consts_cotangent(consts: list[Any], g_cs: list[Any]) -> list[Any]:
         if dataflow.is_inexact(x):
             out[k] = next(it)
     return out
+
+
+_BITS = {2: jnp.uint16}
+"""Carries of 16-bit floats are saved for the backward as their bits."""
+
+
+def _to_bits(c: list[Any]) -> list[Any]:
+    """Each 16-bit float of `c` as its `uint16` bits, the others as they are.
+
+    The backward loop reads each layer's saved carry with a dynamic slice of the stack.
+    XLA's CPU pipeline computes bfloat16 in float32 and moves the convert ahead of the
+    slice, out of the loop: a float32 copy of every saved carry, twice the stack. The
+    bitcast keeps the convert behind the slice. Values are unchanged to the bit.
+    """
+    out = []
+    for x in c:
+        dtype = jnp.result_type(x)
+        bits = _BITS.get(dtype.itemsize) if jnp.issubdtype(dtype, jnp.floating) else None
+        out.append(x if bits is None else lax.bitcast_convert_type(x, bits))
+    return out
+
+
+def _from_bits(x: Any, dtype: Any) -> Any:
+    """Inverse of `_to_bits` for one carry of `dtype`."""
+    return lax.bitcast_convert_type(x, dtype) if jnp.result_type(x) != dtype else x
 
 
 def _take(stacks: Any, i: Any) -> Any:

@@ -12,8 +12,11 @@ sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, voca
                 backward: (weight bits / 8) Psi_pad / local, plus one float32 scale per
                 quantization block (0 without hpZ)
   whole leaves  the leaves outside the blocks (embeddings, final norm), gathered whole in
-                the compute dtype, and three float32 gradients of them (the tied
-                embedding's two uses and their sum, before it is reduced): (c + 12) Psi_rest
+                the compute dtype, and two float32 gradients of them, held through the
+                backward (the tied embedding's two uses: the head's, made first, and the
+                lookup's, which starts as zeros): (c + 8) Psi_rest
+  whole sum     their sum, before it is reduced, 4 Psi_rest: made at the end of the
+                backward, once the blocks and the head have freed their buffers
   saved         what the backward keeps of the forward: remat "full", the L block inputs
                 (c B S d each); "matmuls", L blocks' matmul outputs (16 c B S d each);
                 "none", L blocks' internals
@@ -27,11 +30,11 @@ sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, voca
   update        the optimizer step: the gradient, the clipped gradient and the update,
                 float32, 3 x 4 Psi_pad / N
 
-  total = state + max(gradients + secondary + whole leaves + saved + max(block, head),
-                      update)
+  total = state + max(gradients + secondary + whole leaves + saved
+                      + max(block, head, whole sum), update)
 
-The backward's peak is at the output head or inside the block loop, whichever is larger;
-the update runs after the backward has freed its activations. `Psi_pad` counts the
+The backward's peak is at the output head, inside the block loop or at its end, whichever
+is largest; the update runs after the backward has freed its activations. `Psi_pad` counts the
 parameters with the engine's padding, `Psi_block` one layer's share of the stacked leaves,
 `Psi_rest` the others. For plain data parallelism `N = 1`, there is no secondary shard and
 no gather, and the compute-dtype copy of every weight is held throughout. What the
@@ -59,6 +62,7 @@ class Estimate:
     gradients: int
     secondary: int
     whole_leaves: int
+    whole_sum: int
     saved: int
     block: int
     head: int
@@ -68,7 +72,7 @@ class Estimate:
     def backward(self) -> int:
         """The backward's peak above the state."""
         held = self.gradients + self.secondary + self.whole_leaves + self.saved
-        return held + max(self.block, self.head)
+        return held + max(self.block, self.head, self.whole_sum)
 
     @property
     def total(self) -> int:
@@ -169,15 +173,16 @@ def estimate(
         secondary = (bits * padded // 8 + scales) // local
     inner = block_internals(gpt, batch, seq, c)
     if replicated:
-        block, whole = inner, c * padded + 3 * FLOAT * rest
+        block, whole = inner, c * padded + 2 * FLOAT * rest
     else:
         block = (c * (2 if prefetch else 1) + FLOAT) * block_params + inner
-        whole = (c + 3 * FLOAT) * rest
+        whole = (c + 2 * FLOAT) * rest
     return Estimate(
         state=state_bytes(state) + FLOAT * batch * (seq + 1),
         gradients=FLOAT * padded // n,
         secondary=secondary,
         whole_leaves=whole,
+        whole_sum=FLOAT * rest,
         saved=saved_bytes(gpt, batch, seq, c),
         block=block,
         head=2 * FLOAT * batch * seq * gpt.vocab_size,
