@@ -121,3 +121,36 @@ def test_argument_bytes_are_one_eighth_of_params_and_adam_state(measured, engine
         batch_bytes = BATCH * WIDTH * 4 // 8
         extra = m["args"] - unsharded // 8 - batch_bytes
         assert 0 <= extra <= 1024, (engine, scanned, depth, m)  # step and skip counters
+
+
+# ---------------------------------------------------------------- whole-stack copies
+# Buffers of a stack's size that XLA's CPU pipeline made from the layered scan before the
+# engine kept them from it: a float32 copy of the bfloat16 carries saved for the backward
+# (a convert moved ahead of the loop's slice) and a copy of a stacked gradient (an
+# elementwise finite check that recomputed the last layer's write into it).
+STACK_DEPTH, STACK_ROWS = 8, 512
+
+
+def stack_program() -> str:
+    m = model(STACK_DEPTH, scanned=True)
+    x = jnp.ones((STACK_ROWS, WIDTH), jnp.bfloat16)
+    params = m.init(jax.random.key(0), x.astype(jnp.float32))["params"]
+    state = zpp.TrainState.create(
+        apply_fn=m.apply,
+        params=params,
+        tx=optax.adam(1e-3),
+        mesh=zpp.make_mesh(2, 4),
+        config=zpp.ZeroPPConfig.zero3(),
+    )
+    return zpp.shard(train_step).lower(state, x).compile(compiler_options=XLA_DEFAULTS).as_text()
+
+
+def test_the_layered_scan_makes_no_copy_of_a_whole_stack():
+    hlo = stack_program()
+    rows = STACK_ROWS // 8
+    carries = f"f32[{STACK_DEPTH},{rows},{WIDTH}]"
+    grads = f"[{STACK_DEPTH},{WIDTH * WIDTH // 8}]"
+    assert carries not in hlo, f"a float32 copy of the saved carries: {carries}"
+    assert f"pred{grads}" not in hlo, "a boolean array of a gradient stack's size"
+    copies = [ln for ln in hlo.splitlines() if f"f32{grads}" in ln and " copy(" in ln]
+    assert not copies, copies
