@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
+from zeropp_jax import state_init
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.island import IslandApply, is_array, make_island_apply
 from zeropp_jax.mesh import mesh_shape
@@ -48,86 +49,6 @@ def _all_finite(tree: Any) -> jax.Array:
     if not leaves:
         return jnp.array(True)
     return jnp.all(jnp.stack([jnp.isfinite(jnp.max(jnp.abs(x))) for x in leaves]))
-
-
-def init_opt_state(
-    tx: optax.GradientTransformation,
-    master: Any,
-    leaf_layouts: tuple[part.LeafLayout, ...],
-    mesh: Mesh,
-    *,
-    abstract: bool = False,
-) -> Any:
-    """`tx.init(master)` with every leaf shaped like a sharded parameter sharded like one
-    (moments, traces) and everything else (counts, schedules' state) replicated; with
-    `abstract`, only its `jax.ShapeDtypeStruct`s (shardings set), nothing allocated."""
-    specs = {lo.stored_shape: part.leaf_spec(lo) for lo in leaf_layouts if lo.sharded}
-    shapes = jax.eval_shape(tx.init, master)
-
-    def sharding(x):
-        return NamedSharding(mesh, specs.get(tuple(x.shape), part.REPLICATED))
-
-    shardings = jax.tree_util.tree_map(sharding, shapes)
-    if abstract:
-        return _placed(shapes, shardings)
-    return jax.jit(tx.init, out_shardings=shardings)(master)
-
-
-def _placed(shapes: Any, shardings: Any) -> Any:
-    """`jax.ShapeDtypeStruct`s of `shapes` (a tree of shaped things) with `shardings` (one
-    per leaf, or one for all)."""
-    if isinstance(shardings, NamedSharding):
-        shardings = jax.tree_util.tree_map(lambda _: shardings, shapes)
-    return jax.tree_util.tree_map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
-    )
-
-
-def _shapes_of(params: Any) -> Any:
-    """The `jax.ShapeDtypeStruct` tree of `params`: a tree of arrays (or of shapes), or a
-    zero-argument callable returning one (traced, not run)."""
-    if callable(params):
-        return jax.eval_shape(params)
-    return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array(x) else x, params
-    )
-
-
-def sharded_init(
-    params_fn: Callable[[], Any],
-    leaf_layouts: tuple[part.LeafLayout, ...],
-    shardings: Sequence[NamedSharding],
-) -> Callable[[], list[jax.Array]]:
-    """The sharded-init program: `params_fn()` turned into the stored (float32, padded)
-    leaves, jitted with `shardings` as `out_shardings`, so that XLA's partitioner computes
-    each device's shard where it lives and no device or host holds the unsharded tree.
-
-    Args:
-      params_fn: a zero-argument callable returning the parameter tree.
-      leaf_layouts: the layout of each leaf (`partition.param_layouts`), in leaf order.
-      shardings: the `NamedSharding` of each stored leaf.
-
-    Returns:
-      The jitted zero-argument program (call it, or `.lower()` it).
-    """
-
-    def init() -> list:
-        leaves = jax.tree_util.tree_leaves(params_fn())
-        return [part.to_master(x, lo) for x, lo in zip(leaves, leaf_layouts, strict=True)]
-
-    return jax.jit(init, out_shardings=list(shardings))
-
-
-def _master(params: Any, leaf_layouts: tuple[part.LeafLayout, ...], shardings: list) -> list:
-    """The stored leaves of `params` (a tree, converted one leaf at a time; or a callable,
-    run by `sharded_init`), placed with `shardings`."""
-    if callable(params):
-        return sharded_init(params, leaf_layouts, shardings)()
-    leaves = jax.tree_util.tree_leaves(params)
-    return [
-        jax.jit(part.to_master, static_argnums=1, out_shardings=s)(x, lo)
-        for x, lo, s in zip(leaves, leaf_layouts, shardings, strict=True)
-    ]
 
 
 class TrainState(train_state.TrainState):
@@ -238,7 +159,7 @@ class TrainState(train_state.TrainState):
         if not isinstance(config, ZeroPPConfig):
             raise ValueError(f"config must be a zeropp_jax.ZeroPPConfig, got {type(config)}.")
         mesh_shape(mesh)
-        shapes = _shapes_of(params)
+        shapes = state_init.shapes_of(params)
         layout_tree = part.param_layouts(shapes, mesh.size)
         treedef = jax.tree_util.tree_structure(shapes)
         leaf_layouts = tuple(jax.tree_util.tree_leaves(layout_tree, is_leaf=part.is_layout))
@@ -251,9 +172,9 @@ class TrainState(train_state.TrainState):
                 for lo, s in zip(leaf_layouts, shardings, strict=True)
             ]
         else:
-            stored = _master(params, leaf_layouts, shardings)
+            stored = state_init.master_leaves(params, leaf_layouts, shardings)
         master = jax.tree_util.tree_unflatten(treedef, stored)
-        opt_state = init_opt_state(tx, master, leaf_layouts, mesh, abstract=abstract)
+        opt_state = state_init.init_opt_state(tx, master, leaf_layouts, mesh, abstract=abstract)
 
         layouts = (treedef, leaf_layouts)
         replicated = NamedSharding(mesh, part.REPLICATED)
@@ -271,12 +192,12 @@ class TrainState(train_state.TrainState):
             build_refs = lambda m: full_weight_references(m, config, mesh, leaf_layouts)  # noqa: E731
             if abstract:
                 spec = NamedSharding(mesh, part.REFERENCE_SPEC)
-                refs = _placed(jax.eval_shape(build_refs, master), spec)
+                refs = state_init.placed(jax.eval_shape(build_refs, master), spec)
             else:
                 refs = build_refs(master)
         if abstract:
             zeros = jax.eval_shape(lambda: R.zeros(leaf_layouts, config, mesh))
-            residuals = _placed(zeros, NamedSharding(mesh, R.SPEC))
+            residuals = state_init.placed(zeros, NamedSharding(mesh, R.SPEC))
         else:
             residuals = R.zeros(leaf_layouts, config, mesh)
         return cls(

@@ -9,8 +9,8 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax import engine
 from zeropp_jax import partition as part
+from zeropp_jax import state_init
 from zeropp_jax.train.cli import train_step
 from zeropp_jax.train.model import GPT, GPTConfig
 
@@ -73,7 +73,7 @@ def test_sharded_init_program_holds_no_unsharded_tree(mesh):
         jax.tree_util.tree_leaves(part.param_layouts(shapes, mesh.size), is_leaf=part.is_layout)
     )
     shardings = [jax.sharding.NamedSharding(mesh, part.leaf_spec(lo)) for lo in layouts]
-    m = engine.sharded_init(fn, layouts, shardings).lower().compile().memory_analysis()
+    m = state_init.sharded_init(fn, layouts, shardings).lower().compile().memory_analysis()
     full = sum(4 * lo.size for lo in layouts)
     stored = sum(4 * lo.padded_size for lo in layouts)
     tuple_table = 8 * len(layouts)  # the output tuple's pointers
