@@ -24,7 +24,9 @@ sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, voca
                 dtype (twice with prefetch) and its full float32 weight gradient before it
                 is reduced, (c (1 + prefetch) + 4) Psi_block, plus the block's internals,
                 B S (17 c d + (4 + c) h S) (its matmuls', norms' and GELU's inputs and
-                outputs, float32 attention scores and compute-dtype probabilities)
+                outputs, float32 attention scores and compute-dtype probabilities), plus
+                the softmax's backward, float32: the gradients of the probabilities and of
+                the scores, 8 B S h S
   head          the backward through the output head: float32 logits and their gradient,
                 8 B S V
   update        the optimizer step: the gradient, the clipped gradient and the update,
@@ -172,10 +174,11 @@ def estimate(
         scales = FLOAT * padded // weight_block_size if weight_bits is not None else 0
         secondary = (bits * padded // 8 + scales) // local
     inner = block_internals(gpt, batch, seq, c)
+    softmax = 2 * FLOAT * batch * seq * gpt.n_heads * seq
     if replicated:
-        block, whole = inner, c * padded + 2 * FLOAT * rest
+        block, whole = inner + softmax, c * padded + 2 * FLOAT * rest
     else:
-        block = (c * (2 if prefetch else 1) + FLOAT) * block_params + inner
+        block = (c * (2 if prefetch else 1) + FLOAT) * block_params + inner + softmax
         whole = (c + 2 * FLOAT) * rest
     return Estimate(
         state=state_bytes(state) + FLOAT * batch * (seq + 1),
