@@ -270,10 +270,6 @@ def _consts_cotangent(consts: list[Any], g_cs: list[Any]) -> list[Any]:
     return out
 
 
-_BITS = {2: jnp.uint16}
-"""Carries of 16-bit floats are saved for the backward as their bits."""
-
-
 def _to_bits(c: list[Any]) -> list[Any]:
     """Each 16-bit float of `c` as its `uint16` bits, the others as they are.
 
@@ -285,8 +281,8 @@ def _to_bits(c: list[Any]) -> list[Any]:
     out = []
     for x in c:
         dtype = jnp.result_type(x)
-        bits = _BITS.get(dtype.itemsize) if jnp.issubdtype(dtype, jnp.floating) else None
-        out.append(x if bits is None else lax.bitcast_convert_type(x, bits))
+        half = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
+        out.append(lax.bitcast_convert_type(x, jnp.uint16) if half else x)
     return out
 
 
