@@ -60,8 +60,10 @@ def test_the_trainer_stops_before_a_step_that_cannot_fit(tmp_path, capsys):
     assert not (tmp_path / "run" / "run.json").exists()  # before the run started
 
 
-def test_no_memory_check_skips_it(tmp_path, monkeypatch):
+def test_no_memory_check_skips_it(tmp_path, monkeypatch, compile_cache):
     from zeropp_jax.train import cli
+
+    # The second set-up compiles the programs of the first: it finds them in `compile_cache`.
 
     monkeypatch.setattr(fit, "device_capacity", lambda device, local: (1, "pretend"))
     monkeypatch.setattr(cli, "_train", lambda run: 0)  # set up, then stop

@@ -28,7 +28,11 @@ def _bytes(report: str, label: str) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("engine", ["zeropp", "xla-fsdp"])
-def test_plan_prints_the_memory_analysis_of_the_step_built_from_arrays(engine, capsys):
+def test_plan_prints_the_memory_analysis_of_the_step_built_from_arrays(
+    engine, capsys, compile_cache
+):
+    # The step from arrays is the step `--plan` compiled from shapes: its compile finds the
+    # program in `compile_cache` (a program that differs misses the cache and compiles anew).
     assert cli.main([*PLAN_FLAGS, "--engine", engine, "--plan"]) == 0
     report = capsys.readouterr().out
     assert "Compiled from shapes; nothing was allocated." in report

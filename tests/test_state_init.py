@@ -82,7 +82,9 @@ def test_sharded_init_program_holds_no_unsharded_tree(mesh):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_abstract_state_is_the_created_state_as_shapes(mesh, name):
+def test_abstract_state_is_the_created_state_as_shapes(mesh, name, compile_cache):
+    # The step from arrays is the step from shapes: its compile finds the program in
+    # `compile_cache` (a program that differs misses the cache and compiles anew).
     config = CONFIGS[name]
     real = create(mesh, config, init_fn())
     shapes = zpp.TrainState.abstract(
