@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from zeropp_jax import partition as part
+from zeropp_jax import tensor_parallel
 
 
 class Gathers(Protocol):
@@ -84,4 +85,7 @@ def first_array(xs: Sequence[Any]) -> Any:
 
 def unpiece_layer(g: Gathers, leaf: int, flat: jax.Array) -> jax.Array:
     """One layer of a stacked leaf, gathered, in its original per-layer shape."""
-    return part.unpiece(flat, g.layout(leaf), g.num_devices, True)
+    layout = g.layout(leaf)
+    return tensor_parallel.place_gathered(
+        part.unpiece(flat, layout, g.num_devices, True), layout, layer=True
+    )

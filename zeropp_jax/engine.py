@@ -24,10 +24,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
-from zeropp_jax import state_init
+from zeropp_jax import state_init, tensor_parallel
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.island import IslandApply, is_array, make_island_apply
-from zeropp_jax.mesh import mesh_shape
+from zeropp_jax.mesh import data_parallel_size, mesh_shape, model_axis_size
 from zeropp_jax.references import advance_weight_references, full_weight_references
 
 # ----------------------------------------------------------------------------- state
@@ -49,6 +49,29 @@ def _all_finite(tree: Any) -> jax.Array:
     if not leaves:
         return jnp.array(True)
     return jnp.all(jnp.stack([jnp.isfinite(jnp.max(jnp.abs(x))) for x in leaves]))
+
+
+def _leaf_layouts(
+    shapes: Any, names: list[Any], mesh: Mesh, config: ZeroPPConfig
+) -> tuple[part.LeafLayout, ...]:
+    """Per parameter leaf its layout on `mesh`: ZeRO-sharded over `('node', 'local')`, and
+    split over `model` where `names` (the leaf's `nn.Partitioned` names) say so."""
+    n_dp = data_parallel_size(mesh)
+    layout_tree = part.param_layouts(shapes, n_dp)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+    layouts = jax.tree_util.tree_leaves(layout_tree, is_leaf=part.is_layout)
+    dims = tensor_parallel.model_dims(paths, [lo.shape for lo in layouts], names, mesh)
+    k = model_axis_size(mesh)
+    layouts = [part.with_model_split(lo, d, k, n_dp) for lo, d in zip(layouts, dims, strict=True)]
+    split = [p for p, lo in zip(paths, layouts, strict=True) if lo.tensor_parallel]
+    if split and (config.weight_delta_bits is not None or config.error_feedback is not None):
+        raise ValueError(
+            f"parameters split over 'model' ({split[0]}, ...) cannot yet be combined with "
+            f"weight_delta_bits={config.weight_delta_bits!r} or "
+            f"error_feedback={config.error_feedback!r}; set both to None for tensor "
+            "parallelism."
+        )
+    return tuple(layouts)
 
 
 class TrainState(train_state.TrainState):
@@ -159,10 +182,9 @@ class TrainState(train_state.TrainState):
         if not isinstance(config, ZeroPPConfig):
             raise ValueError(f"config must be a zeropp_jax.ZeroPPConfig, got {type(config)}.")
         mesh_shape(mesh)
-        shapes = state_init.shapes_of(params)
-        layout_tree = part.param_layouts(shapes, mesh.size)
+        shapes, names = tensor_parallel.unbox(state_init.shapes_of(params))
+        leaf_layouts = _leaf_layouts(shapes, names, mesh, config)
         treedef = jax.tree_util.tree_structure(shapes)
-        leaf_layouts = tuple(jax.tree_util.tree_leaves(layout_tree, is_leaf=part.is_layout))
         shardings = [NamedSharding(mesh, part.leaf_spec(lo)) for lo in leaf_layouts]
         if abstract:
             stored = [
@@ -418,7 +440,7 @@ class ShardedStep:
     def _prepare(self, state: TrainState, batch: Any) -> tuple[Any, Any]:
         check_state(state, self.mesh, self.config)
         mesh = state.mesh
-        check_batch(batch, mesh.size)
+        check_batch(batch, data_parallel_size(mesh))
         sharding = NamedSharding(mesh, part.BATCH_SPEC)
 
         def place(x):

@@ -326,11 +326,17 @@ def scan_trip_count(module: HloModule, loop: HloInstruction, comp: str) -> int |
 
     Recognises the loops `lax.scan` and static `lax.fori_loop` emit: a counter at tuple
     index k that starts at a constant s, grows by constant 1 in the body, and is compared
-    `LT` against a constant N in the condition; the count is `max(N - s, 0)`.
+    `LT` against a constant N in the condition; the count is `max(N - s, 0)`. Sharding
+    annotations (`custom-call` to `Sharding`, which a mesh with automatic axes puts on
+    the counter, the bound and the increment) are looked through.
     """
     by_name = {i.name: i for i in module.computations[comp]}
-    cond = {i.name: i for i in module.computations.get(loop.attr("condition") or "", ())}
-    body = {i.name: i for i in module.computations.get(loop.attr("body") or "", ())}
+    cond = _AnnotationsSkipped(
+        {i.name: i for i in module.computations.get(loop.attr("condition") or "", ())}
+    )
+    body = _AnnotationsSkipped(
+        {i.name: i for i in module.computations.get(loop.attr("body") or "", ())}
+    )
     if not cond or not body:
         return None
     root_c = list(cond.values())[-1]
@@ -359,6 +365,21 @@ def scan_trip_count(module: HloModule, loop: HloInstruction, comp: str) -> int |
     ):
         return None
     return max(int(limit.operands[0]) - int(start.operands[0]), 0)
+
+
+class _AnnotationsSkipped(dict):
+    """Instructions by name, where `get` follows a `Sharding` custom-call to its operand."""
+
+    def get(self, name: str, default: HloInstruction | None = None) -> HloInstruction | None:
+        ins = super().get(name, default)
+        while (
+            ins is not None
+            and ins.opcode == "custom-call"
+            and ins.attr("custom_call_target") == '"Sharding"'
+            and len(ins.operands) == 1
+        ):
+            ins = super().get(ins.operands[0], default)
+        return ins
 
 
 def known_trip_counts(module: HloModule) -> list[tuple[HloInstruction, int]]:

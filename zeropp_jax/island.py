@@ -19,13 +19,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from zeropp_jax import partition as part
-from zeropp_jax import placement, weight_gather
+from zeropp_jax import placement, tensor_parallel, weight_gather
 from zeropp_jax import residuals as R
 from zeropp_jax.choices import gather_spec, resolve_codec, rounding_key
 from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax.mesh import data_parallel_size
 from zeropp_jax.quant import XLA_CODEC
 
 
@@ -64,7 +66,7 @@ def make_island_apply(
     codec = resolve_codec(config, platform)
     spec = gather_spec(config, codec, platform)
     compute = jnp.dtype(config.compute_dtype)
-    param_specs = [part.leaf_spec(lo) for lo in leaf_layouts]
+    param_specs = [part.manual_spec(lo) for lo in leaf_layouts]
     paths = jax.tree_util.tree_flatten_with_path(
         jax.tree_util.tree_unflatten(treedef, list(leaf_layouts)), is_leaf=part.is_layout
     )[0]
@@ -144,7 +146,8 @@ def make_island_apply(
                 layouts=leaf_layouts,
                 names=names,
                 spec=spec,
-                num_devices=mesh.size,
+                num_devices=data_parallel_size(mesh),
+                check_vma=check_vma,
                 layered=not delta_on and config.error_feedback is None,
                 keys=tuple(
                     rounding_key(config, step, i) if step is not None and lo.sharded else None
@@ -195,6 +198,7 @@ def make_island_apply(
                 [part.REPLICATED] * len(steps),
             ),
             out_specs=part.BATCH_SPEC,
+            axis_names={"node", "local"},
             check_vma=check_vma,
         )
         return island(
@@ -266,7 +270,9 @@ class LeafGathers:
       layouts: per parameter leaf.
       names: per parameter leaf, its path (for warnings).
       spec: the gather spec of the config.
-      num_devices: devices of the mesh.
+      num_devices: data-parallel devices of the mesh (`node` x `local`).
+      check_vma: whether the island checks varying axes (tensor-parallel leaves run their
+        collectives in a nested shard_map over `model` that checks alike).
       layered: whether scans may gather per layer (not with weight deltas or error
         feedback, whose references and residuals are kept per leaf).
       keys: per leaf, its stochastic-rounding key or None (traced).
@@ -278,6 +284,7 @@ class LeafGathers:
     names: tuple[str, ...]
     spec: weight_gather.GatherSpec
     num_devices: int
+    check_vma: bool
     layered: bool
     keys: tuple[Any, ...]
     refs: tuple[Any, ...]
@@ -295,16 +302,32 @@ class LeafGathers:
     def residuals(self, leaf: int) -> Any:
         return self.res[leaf]
 
+    def _per_rank(self, leaf: int, fn: Any, split: tuple, shared: tuple) -> Any:
+        """`fn(*split, *shared)`, once per `model` rank for a tensor-parallel leaf (its
+        pieces carry the `model` slices on axis 0)."""
+        if not self.layouts[leaf].tensor_parallel:
+            return fn(*split, *shared)
+        return tensor_parallel.per_model_rank(fn, split, shared, self.check_vma)
+
     def wire(self, leaf: int, piece: jax.Array, fixed: Any) -> tuple[jax.Array, ...]:
         ref = fixed[1]
         if ref is None:
-            return weight_gather.secondary_wire(piece, self.spec)
+            if not self.layouts[leaf].tensor_parallel:
+                return weight_gather.secondary_wire(piece, self.spec)
+            # Named outside the nested shard_map: a remat policy then saves or recomputes
+            # that shard_map whole (JAX cannot split a nested shard_map for remat).
+            fn = lambda p: weight_gather.secondary_wire(p, self.spec, named=False)  # noqa: E731
+            wire = self._per_rank(leaf, fn, (piece,), ())
+            return tuple(checkpoint_name(w, weight_gather.SECONDARY_NAME) for w in wire)
         return weight_gather.reference_wire(piece, ref, self.spec)
 
     def gather(
         self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, alternate: bool
     ) -> jax.Array:
-        return weight_gather.gather_from(piece, wire, self.spec, alternate_form=alternate)
+        def fn(p, w):
+            return weight_gather.gather_from(p, w, self.spec, alternate_form=alternate)
+
+        return self._per_rank(leaf, fn, (piece, wire), ())
 
     def reduce(
         self, leaf: int, g: jax.Array, fixed: Any, residuals: Any, layer: jax.Array | None
@@ -312,9 +335,15 @@ class LeafGathers:
         key = fixed[0]
         if key is not None and layer is not None:
             key = jax.random.fold_in(key, layer)
+        if self.layouts[leaf].tensor_parallel:
+            fn = lambda g, key: weight_gather.reduce_gradient(g, self.spec, key)[0]  # noqa: E731
+            return self._per_rank(leaf, fn, (g,), (key,)), ()
         return weight_gather.reduce_gradient(g, self.spec, key, residuals or ())
 
     def full(
         self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, residuals: Any
     ) -> jax.Array:
+        if self.layouts[leaf].tensor_parallel:
+            fn = lambda p, w, key: weight_gather.gather_from_wire(p, w, self.spec, key)  # noqa: E731
+            return self._per_rank(leaf, fn, (piece, wire), (fixed[0],))
         return weight_gather.gather_from_wire(piece, wire, self.spec, fixed[0], residuals or ())

@@ -1,4 +1,5 @@
-"""`make_mesh`: the `('node', 'local')` device mesh with Auto axis types.
+"""`make_mesh`: the `('node', 'local')` device mesh with Auto axis types, or
+`('node', 'local', 'model')` with a tensor-parallel axis inside each node.
 
 A node is a physical host: the devices that talk to each other over NVLink or PCIe rather
 than the network. A job may run one process per host (each process owns all of its host's
@@ -22,6 +23,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 AXES = ("node", "local")
+TP_AXES = ("node", "local", "model")
 
 
 class TopologyWarning(UserWarning):
@@ -240,9 +242,17 @@ def make_mesh(
     local_size: int | None = None,
     devices: Sequence[jax.Device] | None = None,
     *,
+    model_size: int | None = None,
     host_name: str | None = None,
 ) -> Mesh:
     """Builds the `('node', 'local')` mesh: one node row per host.
+
+    With `model_size`, the mesh is `('node', 'local', 'model')` of shape `(num_nodes,
+    local_size, model_size)`: each node's devices are `local_size x model_size`, the
+    `model` axis innermost, so a tensor-parallel group is `model_size` consecutive devices
+    of one node (one host). `local_size` then counts data-parallel ranks per node
+    (default: the node's devices / `model_size`). `model_size=1` gives the three-axis
+    mesh with a trivial `model` axis, which trains exactly as the two-axis mesh.
 
     With no shape given, `node` = host and `local` = that host's devices, whether the job
     runs one process per host or one process per device: processes that share a host name
@@ -258,31 +268,82 @@ def make_mesh(
       num_nodes: size of the `node` axis, or None to derive it.
       local_size: size of the `local` axis, or None to derive it.
       devices: devices to use (default: all of `jax.devices()`).
+      model_size: size of the tensor-parallel `model` axis, or None for the two-axis
+        mesh.
       host_name: this process's host identity (default `socket.gethostname()`); see
         `process_hosts`.
 
     Returns:
-      A `jax.sharding.Mesh` of shape `(num_nodes, local_size)` with Auto axis types. Row
-      `r` holds host `r`'s devices, by process index and then device id.
+      A `jax.sharding.Mesh` of shape `(num_nodes, local_size)` (or `(num_nodes,
+      local_size, model_size)`) with Auto axis types. Node `r` holds host `r`'s devices,
+      by process index and then device id.
 
     Raises:
       ValueError: when the shape does not multiply to the device count, would split one
-        process's devices across node rows, or (no shape given) the hosts hold different
-        numbers of devices.
+        process's devices across node rows, (no shape given) the hosts hold different
+        numbers of devices, or `model_size` does not divide a node's devices or would put
+        one tensor-parallel group on two hosts.
     """
     _check_positive("num_nodes", num_nodes)
     _check_positive("local_size", local_size)
+    _check_positive("model_size", model_size)
     devs = list(jax.devices() if devices is None else devices)
     hosts = process_hosts(host_name)
-    grid = device_grid(devs, hosts, num_nodes, local_size)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+    if model_size is None:
+        grid = device_grid(devs, hosts, num_nodes, local_size)
+        return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+    per_node = None if local_size is None else local_size * model_size
+    grid = device_grid(devs, hosts, num_nodes, per_node)
+    return Mesh(model_grid(grid, model_size, hosts), TP_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def model_grid(grid: np.ndarray, model_size: int, hosts: Sequence[int]) -> np.ndarray:
+    """A `(num_nodes, devices per node)` grid split into `(num_nodes, local_size,
+    model_size)`, consecutive devices of a node forming one tensor-parallel group.
+
+    Raises:
+      ValueError: when `model_size` does not divide a node's devices, or a group would
+        hold devices of two hosts (tensor parallelism never crosses the network).
+    """
+    num_nodes, per_node = grid.shape
+    if per_node % model_size:
+        raise ValueError(
+            f"make_mesh: model_size={model_size} does not divide the {per_node} devices of "
+            f"a node; a tensor-parallel group sits inside one node, so pick a divisor of "
+            f"{per_node}."
+        )
+    out = grid.reshape(num_nodes, per_node // model_size, model_size)
+    for n in range(num_nodes):
+        for l in range(out.shape[1]):
+            group_hosts = sorted({hosts[d.process_index] for d in out[n, l]})
+            if len(group_hosts) > 1:
+                raise ValueError(
+                    f"make_mesh: the tensor-parallel group at node {n}, local {l} would span "
+                    f"hosts {group_hosts}; a `model` group must sit on one host. Use "
+                    "num_nodes = number of hosts and a model_size that divides each host's "
+                    "devices."
+                )
+    return out
 
 
 def mesh_shape(mesh: Mesh) -> tuple[int, int]:
-    """`(num_nodes, local_size)` of a `('node', 'local')` mesh."""
-    if tuple(mesh.axis_names) != AXES:
+    """`(num_nodes, local_size)` of a `('node', 'local')` or `('node', 'local', 'model')`
+    mesh: the data-parallel (ZeRO) axes."""
+    if tuple(mesh.axis_names) not in (AXES, TP_AXES):
         raise ValueError(
-            f"expected a mesh with axes {AXES} (from zeropp_jax.make_mesh), got axes "
-            f"{tuple(mesh.axis_names)}."
+            f"expected a mesh with axes {AXES} or {TP_AXES} (from zeropp_jax.make_mesh), got "
+            f"axes {tuple(mesh.axis_names)}."
         )
     return int(mesh.shape["node"]), int(mesh.shape["local"])
+
+
+def model_axis_size(mesh: Mesh) -> int:
+    """Size of the mesh's tensor-parallel `model` axis (1 for a two-axis mesh)."""
+    mesh_shape(mesh)
+    return int(mesh.shape.get("model", 1))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """Devices a parameter is ZeRO-sharded over: `num_nodes * local_size`."""
+    nodes, local = mesh_shape(mesh)
+    return nodes * local

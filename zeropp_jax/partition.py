@@ -17,6 +17,16 @@ A float leaf is cast to float32 (the master copy) and sharded over all `N` devic
 A stacked leaf's per-layer vectors (biases, norm scales: `(layers, width)`, rank 2) have
 the rank-2 layout: they are small, and a scan gathers them whole (see `placement`).
 
+A leaf split for tensor parallelism (`model_dim` set, see `zeropp_jax.tensor_parallel`) is
+first cut into `K = model_size` slices along `model_dim`, one per `model` rank; each slice
+is flattened, zero-padded to `C = ceil(slice values / N) * N` and sharded like a row
+above: stored `(K, C)` with `PartitionSpec('model', ('local', 'node'))`, or, stacked
+(`model_dim >= 1`, axis 0 the layers), `(layers, K, C)` with `PartitionSpec(None, 'model',
+('local', 'node'))`. Inside the island (manual over `('node', 'local')`, `model` left to
+XLA) the `K` axis stays whole: each `model` rank gathers and reduces only its own slice,
+and the gathered weight, put back in its original shape, is split over `model` at
+`model_dim`.
+
 Each device's shard, flattened, is the *piece* the collectives gather and reduce; a
 gathered leaf, every device's piece in partition order, is turned back into the original
 shape by `unpiece`. Padding stays exactly zero: its gradient
@@ -37,6 +47,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+DP_AXES = ("local", "node")
+"""The data-parallel (ZeRO) axes in partition order: parameters are split over both."""
+MODEL_AXIS = "model"
+"""The tensor-parallel mesh axis (`make_mesh(..., model_size=K)`); XLA partitions over it."""
 PARAM_SPEC = P(("local", "node"))
 """Spec of a sharded parameter of rank 1 or 2 (and of its optimizer state)."""
 ROW_PARAM_SPEC = P(None, ("local", "node"))
@@ -61,13 +75,34 @@ class LeafLayout:
       sharded: True for float leaves with at least one dimension (sharded float32 master
         copy); False for replicated leaves.
       padded: rank <= 2, the rows after padding (axis 0 is sharded); rank >= 3, `C`, the
-        values per row after padding (axis 0 is kept whole); 0 if not sharded.
+        values per row after padding (axis 0 is kept whole); tensor-parallel, `C`, the
+        values of one `model` slice (one layer's, stacked) after padding; 0 if not sharded.
+      model_dim: the axis of `shape` split over the `model` mesh axis (tensor
+        parallelism), or None.
+      model_size: `K`, the number of `model` slices (1 without tensor parallelism).
     """
 
     shape: tuple[int, ...]
     dtype: str
     sharded: bool
     padded: int
+    model_dim: int | None = None
+    model_size: int = 1
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the leaf is split over the `model` axis (stored with a `K` axis)."""
+        return self.sharded and self.model_dim is not None
+
+    @property
+    def slice_shape(self) -> tuple[int, ...]:
+        """The original shape with `model_dim` divided by `model_size` (one `model`
+        rank's slice); `shape` without tensor parallelism."""
+        if not self.tensor_parallel:
+            return self.shape
+        s = list(self.shape)
+        s[self.model_dim] //= self.model_size
+        return tuple(s)
 
     @property
     def size(self) -> int:
@@ -86,26 +121,33 @@ class LeafLayout:
 
     @property
     def cols(self) -> int:
-        """Values per kept row before padding (stacked: one slice along axis 0)."""
-        return math.prod(self.shape[1:]) if self.stacked else self.size
+        """Values per kept row before padding (stacked: one slice along axis 0;
+        tensor-parallel: one `model` slice of it)."""
+        shape = self.slice_shape
+        return math.prod(shape[1:]) if self.stacked else math.prod(shape)
 
     @property
     def padded_cols(self) -> int:
-        """Values per kept row after padding (N times one device's piece of it)."""
-        if self.stacked:
+        """Values per kept row after padding (N times one device's piece of it; tensor
+        parallel: of one `model` slice)."""
+        if self.stacked or self.tensor_parallel:
             return self.padded
         return self.padded * math.prod(self.shape[1:])
 
     @property
     def padded_axis(self) -> int:
         """The axis of the stored leaf that padding lengthens (-1: the last)."""
-        return -1 if self.stacked else 0
+        return -1 if self.stacked or self.tensor_parallel else 0
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
         """Global shape of the stored (padded) leaf."""
         if not self.sharded:
             return self.shape
+        if self.tensor_parallel:
+            if self.stacked:
+                return (self.lead, self.model_size, self.padded)
+            return (self.model_size, self.padded)
         if self.stacked:
             return (self.lead, self.padded)
         return (self.padded, *self.shape[1:])
@@ -113,7 +155,9 @@ class LeafLayout:
     @property
     def padded_size(self) -> int:
         """Values of the stored leaf (every device's piece together)."""
-        return self.lead * self.padded_cols if self.sharded else self.size
+        if not self.sharded:
+            return self.size
+        return self.lead * self.model_size * self.padded_cols
 
 
 def leaf_layout(path: str, x: Any, num_devices: int) -> LeafLayout:
@@ -141,11 +185,24 @@ def leaf_layout(path: str, x: Any, num_devices: int) -> LeafLayout:
 
 
 def with_devices(layout: LeafLayout, num_devices: int) -> LeafLayout:
-    """The layout of the same leaf padded for `num_devices` devices."""
+    """The layout of the same leaf padded for `num_devices` data-parallel devices."""
     if not layout.sharded:
         return layout
-    n = layout.cols if layout.stacked else layout.shape[0]
+    n = layout.cols if layout.stacked or layout.tensor_parallel else layout.shape[0]
     return dataclasses.replace(layout, padded=-(-n // num_devices) * num_devices)
+
+
+def with_model_split(
+    layout: LeafLayout, model_dim: int | None, model_size: int, num_devices: int
+) -> LeafLayout:
+    """The layout of the same leaf split over `model_size` `model` ranks at `model_dim`
+    (None, or `model_size` 1: not split), padded for `num_devices` data-parallel devices.
+    The caller has checked that `model_size` divides `shape[model_dim]` and that a
+    stacked leaf is not split along its layer axis."""
+    if not layout.sharded or model_dim is None or model_size == 1:
+        return with_devices(dataclasses.replace(layout, model_dim=None, model_size=1), num_devices)
+    split = dataclasses.replace(layout, model_dim=model_dim, model_size=model_size)
+    return with_devices(split, num_devices)
 
 
 def param_layouts(params: Any, num_devices: int) -> Any:
@@ -159,12 +216,36 @@ def is_layout(x: Any) -> bool:
     return isinstance(x, LeafLayout)
 
 
+def _split_model(x: jax.Array, layout: LeafLayout, lead: int) -> jax.Array:
+    """`x` in the original shape -> its `K` model slices, each flattened: `(K, slice
+    values)`, or, for a stacked leaf (`lead` 1), `(layers, K, one layer's slice values)`."""
+    d, k = layout.model_dim, layout.model_size
+    shape = x.shape
+    x = x.reshape(*shape[:d], k, shape[d] // k, *shape[d + 1 :])
+    x = jnp.moveaxis(x, d, lead)
+    return x.reshape(*x.shape[: lead + 1], -1)
+
+
+def _join_model(x: jax.Array, layout: LeafLayout, layer: bool) -> jax.Array:
+    """Inverse of `_split_model`: `(K, slice values)` (or `(layers, K, ...)` for a whole
+    stacked leaf; `layer`: one layer) -> the original (or one layer's) shape."""
+    lead = 1 if layout.stacked and not layer else 0
+    shape = layout.shape[1:] if layer else layout.shape
+    sliced = list(layout.slice_shape[1:] if layer else layout.slice_shape)
+    d = layout.model_dim - (1 if layer else 0)
+    x = x.reshape(*x.shape[: lead + 1], *sliced[lead:])
+    x = jnp.moveaxis(x, lead, d)
+    return x.reshape(shape)
+
+
 def to_master(x: jax.Array, layout: LeafLayout) -> jax.Array:
     """Original leaf -> stored leaf (float32, padded) for sharded leaves; as-is otherwise."""
     if not layout.sharded:
         return jnp.asarray(x)
     x = jnp.asarray(x, jnp.float32)
-    if layout.stacked:
+    if layout.tensor_parallel:
+        x = _split_model(x, layout, 1 if layout.stacked else 0)
+    elif layout.stacked:
         x = x.reshape(layout.lead, layout.cols)
     return resize_padding(x, layout)
 
@@ -172,7 +253,9 @@ def to_master(x: jax.Array, layout: LeafLayout) -> jax.Array:
 def from_master(x: jax.Array, layout: LeafLayout, dtype: Any = None) -> jax.Array:
     """Stored leaf -> original shape, in `dtype` (default: the original dtype)."""
     if layout.sharded:
-        if layout.stacked:
+        if layout.tensor_parallel:
+            x = _join_model(x[..., : layout.cols], layout, False)
+        elif layout.stacked:
             x = x[:, : layout.cols].reshape(layout.shape)
         else:
             x = x[: layout.shape[0]]
@@ -182,7 +265,7 @@ def from_master(x: jax.Array, layout: LeafLayout, dtype: Any = None) -> jax.Arra
 def resize_padding(x: jax.Array, layout: LeafLayout) -> jax.Array:
     """Crops or zero-pads the padded axis of `x` (a stored leaf, e.g. padded for another
     mesh) to `layout`'s padding."""
-    axis = x.ndim - 1 if layout.stacked else 0
+    axis = x.ndim - 1 if layout.stacked or layout.tensor_parallel else 0
     want, have = layout.padded, x.shape[axis]
     if have >= want:
         return lax.slice_in_dim(x, 0, want, axis=axis)
@@ -205,14 +288,33 @@ def unpiece(
         than the whole leaf.
 
     Returns:
-      The leaf in its original shape (`layout.shape[1:]` for a layer).
+      The leaf in its original shape (`layout.shape[1:]` for a layer). A tensor-parallel
+      leaf's `full` is `(K, num_devices * piece)`, one row per `model` slice.
     """
+    if layout.tensor_parallel:
+        k = layout.model_size
+        if layout.stacked and not layer:
+            x = full.reshape(k, num_devices, layout.lead, layout.padded // num_devices)
+            x = jnp.swapaxes(x, 1, 2).reshape(k, layout.lead, layout.padded)
+            return _join_model(jnp.swapaxes(x[..., : layout.cols], 0, 1), layout, False)
+        return _join_model(full[:, : layout.cols], layout, layer)
     if not layout.stacked:
         return full.reshape(layout.stored_shape)[: layout.shape[0]]
     lead = 1 if layer else layout.lead
     x = full.reshape(num_devices, lead, layout.padded // num_devices)
     x = jnp.swapaxes(x, 0, 1).reshape(lead, layout.padded)[:, : layout.cols]
     return x.reshape(layout.shape[1:] if layer else layout.shape)
+
+
+def piece(shard: jax.Array, layout: LeafLayout) -> jax.Array:
+    """A device's stored shard -> the piece its collectives gather (per device, inside
+    shard_map): flattened, or, tensor-parallel, `(K, values)` with the `model` axis kept
+    first (a stacked leaf's layers moved behind it)."""
+    if not layout.tensor_parallel:
+        return shard.reshape(-1)
+    if shard.ndim == 3:
+        shard = jnp.swapaxes(shard, 0, 1)
+    return shard.reshape(shard.shape[0], -1)
 
 
 def pieces_to_stored(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
@@ -235,7 +337,27 @@ def leaf_spec(layout: LeafLayout) -> P:
     """The `PartitionSpec` of a stored leaf."""
     if not layout.sharded:
         return REPLICATED
+    if layout.tensor_parallel:
+        return P(None, MODEL_AXIS, DP_AXES) if layout.stacked else P(MODEL_AXIS, DP_AXES)
     return ROW_PARAM_SPEC if layout.stacked else PARAM_SPEC
+
+
+def manual_spec(layout: LeafLayout) -> P:
+    """The `PartitionSpec` of a stored leaf over the island's manual axes (`node`,
+    `local`) only; the `model` axis is left to XLA."""
+    spec = leaf_spec(layout)
+    return P(*(None if s == MODEL_AXIS else s for s in spec))
+
+
+def gathered_spec(layout: LeafLayout, layer: bool = False) -> P | None:
+    """How a gathered tensor-parallel weight is split over `model` (in its original shape,
+    or one layer's); None for a leaf not split over it."""
+    if not layout.tensor_parallel:
+        return None
+    rank = len(layout.shape) - (1 if layer else 0)
+    dims: list[Any] = [None] * rank
+    dims[layout.model_dim - (1 if layer else 0)] = MODEL_AXIS
+    return P(*dims)
 
 
 def param_shardings(layouts: Any, mesh: Mesh) -> Any:

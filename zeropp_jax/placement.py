@@ -46,7 +46,7 @@ from jax._src import ad_checkpoint, core, source_info_util
 from jax._src.lax.control_flow import cond_p, scan_p, while_p
 from jax._src.pjit import jit_p
 
-from zeropp_jax import dataflow, layered_scan
+from zeropp_jax import dataflow, layered_scan, tensor_parallel
 from zeropp_jax import partition as part
 from zeropp_jax.weight_gather import SECONDARY_NAME
 
@@ -114,7 +114,8 @@ def _bind(eqn: core.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
 
 
 def _full_weight(g: dataflow.Gathers, lz: Lazy, flat: jax.Array) -> jax.Array:
-    full = part.unpiece(flat, g.layout(lz.leaf), g.num_devices)
+    layout = g.layout(lz.leaf)
+    full = tensor_parallel.place_gathered(part.unpiece(flat, layout, g.num_devices), layout)
     return dataflow.apply_chain(full, lz.chain)
 
 
@@ -316,7 +317,7 @@ def _at_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], ctx: Con
         return d_pieces, d_res, list(d_acts), fixed_ct, d_tie
 
     use.defvjp(use_fwd, use_bwd)
-    pieces = [lz.shard.reshape(-1) for lz in lazies]
+    pieces = [part.piece(lz.shard, g.layout(lz.leaf)) for lz in lazies]
     res = [g.residuals(leaf) for leaf in leaves]
     fixed = [g.fixed(leaf) for leaf in leaves]
     return use(pieces, res, acts, fixed, tie)
@@ -336,7 +337,7 @@ def _shared(
     if lz.leaf not in ctx.shared:
         fixed, res = g.fixed(lz.leaf), g.residuals(lz.leaf)
         with jax.named_scope(scope) if scope else contextlib.nullcontext():
-            piece = dataflow.tie(ctx.tie, lz.shard.reshape(-1))
+            piece = dataflow.tie(ctx.tie, part.piece(lz.shard, g.layout(lz.leaf)))
             wire = g.wire(lz.leaf, piece, fixed)
             flat = g.full(lz.leaf, piece, wire, fixed, res)
         ctx.shared[lz.leaf] = (flat, wire, lax.stop_gradient(piece))

@@ -131,13 +131,15 @@ def gather_weight(
     return _gather_full(x, secondary_wire(x, spec), key, residuals, spec)
 
 
-def secondary_wire(x: jax.Array, spec: GatherSpec) -> tuple[jax.Array, ...]:
+def secondary_wire(x: jax.Array, spec: GatherSpec, named: bool = True) -> tuple[jax.Array, ...]:
     """Stage 1 of the hpZ gather (over `node`), in the wire form stage 2 gathers; `()` for
-    the flat ZeRO-3 gather. Not differentiated; named `SECONDARY_NAME`.
+    the flat ZeRO-3 gather. Not differentiated; named `SECONDARY_NAME` (unless `named` is
+    False: the caller names it).
 
     Args:
       x: per-device float32 master shard `(rows, ...)`.
       spec: what to send.
+      named: whether to name the result `SECONDARY_NAME` here.
 
     Returns:
       The secondary shard as `secondary_gather` gives it (re-quantized when
@@ -158,7 +160,7 @@ def secondary_wire(x: jax.Array, spec: GatherSpec) -> tuple[jax.Array, ...]:
         block_size=spec.weight_block_size,
         codec=spec.codec,
     )
-    return tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire)
+    return tuple(checkpoint_name(w, SECONDARY_NAME) for w in wire) if named else wire
 
 
 def gather_weight_from_reference(

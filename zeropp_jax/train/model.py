@@ -44,6 +44,12 @@ class GPTConfig:
         block): "none" keeps everything (no rematerialisation), "matmuls" keeps the matmul
         outputs and recomputes the rest (`jax.checkpoint_policies.dots_saveable`), "full"
         keeps only the block's input and recomputes the block.
+      model_parallel: annotate the blocks for tensor parallelism on the mesh's `model`
+        axis (Megatron-style, `nn.with_partitioning`): the attention's `qkv` and the MLP's
+        `fc` split by column (whole heads per rank: `qkv`'s columns are ordered head by
+        head, each head's q, k, v together), their output matrices `proj` and `out` by
+        row. Without a `model` axis of size > 1 the annotations change nothing but that
+        column order.
     """
 
     vocab_size: int = 256
@@ -54,10 +60,14 @@ class GPTConfig:
     mlp_ratio: int = 4
     scan: bool = False
     remat: str = "none"
+    model_parallel: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.scan, bool):
-            raise ValueError(f"GPTConfig.scan={self.scan!r}; expected True or False.")
+        for name in ("scan", "model_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"GPTConfig.{name}={getattr(self, name)!r}; expected True or False."
+                )
         if self.remat not in REMAT:
             raise ValueError(f"GPTConfig.remat={self.remat!r}; expected one of {REMAT}.")
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
@@ -71,8 +81,27 @@ class GPTConfig:
             )
 
 
-def _dense(features: int, std: float, name: str) -> nn.Dense:
-    return nn.Dense(features, kernel_init=nn.initializers.normal(std), name=name)
+COLUMN = ((None, "model"), ("model",))
+"""`nn.with_partitioning` names of a column-parallel Dense: kernel, bias."""
+ROW = (("model", None), None)
+"""`nn.with_partitioning` names of a row-parallel Dense: kernel, bias (replicated)."""
+
+
+def _dense(
+    features: int,
+    std: float,
+    name: str,
+    split: tuple[tuple | None, tuple | None] | None = None,
+) -> nn.Dense:
+    """A Dense with normal(std) kernel init; `split` (`COLUMN`, `ROW`) annotates its kernel
+    and bias for tensor parallelism."""
+    kernel_init, bias_init = nn.initializers.normal(std), nn.initializers.zeros_init()
+    if split is not None:
+        kernel_names, bias_names = split
+        kernel_init = nn.with_partitioning(kernel_init, kernel_names)
+        if bias_names is not None:
+            bias_init = nn.with_partitioning(bias_init, bias_names)
+    return nn.Dense(features, kernel_init=kernel_init, bias_init=bias_init, name=name)
 
 
 class CausalSelfAttention(nn.Module):
@@ -85,15 +114,19 @@ class CausalSelfAttention(nn.Module):
         cfg = self.config
         batch, seq, width = x.shape
         head_dim = width // cfg.n_heads
-        qkv = _dense(3 * width, 0.02, "qkv")(x)
-        q, k, v = jnp.split(qkv.reshape(batch, seq, 3 * cfg.n_heads, head_dim), 3, axis=2)
+        tp = cfg.model_parallel
+        qkv = _dense(3 * width, 0.02, "qkv", COLUMN if tp else None)(x)
+        if tp:  # columns head by head, so that whole heads sit on each `model` rank
+            q, k, v = jnp.unstack(qkv.reshape(batch, seq, cfg.n_heads, 3, head_dim), axis=3)
+        else:
+            q, k, v = jnp.split(qkv.reshape(batch, seq, 3 * cfg.n_heads, head_dim), 3, axis=2)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(head_dim)
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, width)
-        return _dense(width, 0.02 / math.sqrt(2 * cfg.n_layers), "proj")(out)
+        return _dense(width, 0.02 / math.sqrt(2 * cfg.n_layers), "proj", ROW if tp else None)(out)
 
 
 class Block(nn.Module):
@@ -104,10 +137,12 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
+        tp = cfg.model_parallel
         x = x + CausalSelfAttention(cfg, name="attn")(nn.LayerNorm(name="ln_attn")(x))
         h = nn.LayerNorm(name="ln_mlp")(x)
-        h = nn.gelu(_dense(cfg.mlp_ratio * cfg.d_model, 0.02, "fc")(h))
-        return x + _dense(cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers), "out")(h)
+        h = nn.gelu(_dense(cfg.mlp_ratio * cfg.d_model, 0.02, "fc", COLUMN if tp else None)(h))
+        out = _dense(cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers), "out", ROW if tp else None)
+        return x + out(h)
 
 
 class ScannedBlock(nn.Module):
@@ -158,6 +193,7 @@ class GPT(nn.Module):
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
                 length=cfg.n_layers,
+                metadata_params={nn.PARTITION_NAME: None},
             )
             x, _ = blocks(cfg, name="blocks")(x, None)
         else:
@@ -221,7 +257,8 @@ def loss_fn(apply_fn, params, batch: jax.Array, *, train: bool = False) -> jax.A
 
 def init_fn(config: GPTConfig, seed: int) -> Callable[[], dict]:
     """A zero-argument callable returning the float32 parameters of a `GPT(config)` from
-    an integer seed: what `zpp.TrainState.create(params=...)` takes for sharded init."""
+    an integer seed: what `zpp.TrainState.create(params=...)` takes for sharded init
+    (with `config.model_parallel`, leaves boxed in their `nn.Partitioned` annotations)."""
 
     def init() -> dict:
         tokens = jnp.zeros((1, config.seq_len), dtype=jnp.int32)
@@ -232,5 +269,5 @@ def init_fn(config: GPTConfig, seed: int) -> Callable[[], dict]:
 
 def init_params(config: GPTConfig, seed: int) -> dict:
     """Float32 parameters of a `GPT(config)` from an integer seed, materialised on one
-    device (the same values `init_fn` gives under sharded init)."""
-    return jax.jit(init_fn(config, seed))()
+    device (the same values `init_fn` gives under sharded init), without annotation boxes."""
+    return nn.meta.unbox(jax.jit(init_fn(config, seed))())

@@ -1,0 +1,323 @@
+"""Tensor parallelism on a third mesh axis, `model`: layouts, the mesh, annotation errors,
+and training against one device (exact when unquantized, within the quantizer's bound
+with ZeRO++'s formats)."""
+
+import dataclasses
+import types
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import zeropp_jax as zpp
+from zeropp_jax import mesh as mesh_lib
+from zeropp_jax import partition as part
+from zeropp_jax import tensor_parallel
+from zeropp_jax.quant import qmax
+from zeropp_jax.train.model import GPT, GPTConfig, init_fn, init_params, loss_fn
+
+EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
+COLUMN = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+ROW = nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None))
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize(
+    "shape,dim,k",
+    [
+        ((6, 8), 1, 2),
+        ((6, 8), 1, 4),
+        ((6, 8), 0, 2),
+        ((8,), 0, 4),
+        ((3, 6, 8), 2, 4),
+        ((3, 6, 8), 1, 2),
+        ((2, 3, 4, 6), 3, 2),
+    ],
+)
+def test_layout_round_trips_and_pieces_gather_back(shape, dim, k):
+    n = 4
+    lo = part.with_model_split(part.leaf_layout("w", np.zeros(shape, np.float32), n), dim, k, n)
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    stored = part.to_master(x, lo)
+    assert stored.shape == lo.stored_shape
+    np.testing.assert_array_equal(part.from_master(stored, lo), x)
+    # Slice r of the stored leaf is model rank r's part of the original.
+    for r in range(k):
+        want = np.take(x, np.arange(r * shape[dim] // k, (r + 1) * shape[dim] // k), axis=dim)
+        if lo.stacked:
+            np.testing.assert_array_equal(stored[:, r, : lo.cols], want.reshape(shape[0], -1))
+        else:
+            np.testing.assert_array_equal(stored[r, : lo.cols], want.reshape(-1))
+    width = lo.padded // n
+    shards = [stored[..., i * width : (i + 1) * width] for i in range(n)]
+    # What the collectives return: every device's piece, along the values axis.
+    full = jnp.concatenate([part.piece(s, lo) for s in shards], axis=1)
+    np.testing.assert_array_equal(part.unpiece(full, lo, n), x)
+    if lo.stacked:
+        for layer in range(shape[0]):
+            one = jnp.concatenate([s[layer] for s in shards], axis=1)
+            np.testing.assert_array_equal(part.unpiece(one, lo, n, layer=True), x[layer])
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def test_make_mesh_with_a_model_axis():
+    mesh = zpp.make_mesh(2, 2, model_size=2)
+    assert mesh.axis_names == ("node", "local", "model")
+    assert dict(mesh.shape) == {"node": 2, "local": 2, "model": 2}
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    # A model group is consecutive devices of one node.
+    np.testing.assert_array_equal(ids.reshape(2, 4), np.arange(8).reshape(2, 4))
+    assert mesh_lib.data_parallel_size(mesh) == 4 and mesh_lib.model_axis_size(mesh) == 2
+    assert dict(zpp.make_mesh(2, model_size=4).shape) == {"node": 2, "local": 1, "model": 4}
+    with pytest.raises(ValueError, match="model_size=3 does not divide the 4 devices of a node"):
+        zpp.make_mesh(2, model_size=3)
+
+
+def test_a_model_group_never_spans_hosts():
+    # Four hosts of two devices each (one process per host), laid out as 2 nodes of 4: a
+    # node row holds two hosts (make_mesh warns), so a model group of 4 would span both.
+    devs = [types.SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]
+    hosts = [0, 1, 2, 3]
+    with pytest.warns(mesh_lib.TopologyWarning):
+        grid = mesh_lib.device_grid(devs, hosts, 2, 4)
+    assert mesh_lib.model_grid(grid, 2, hosts).shape == (2, 2, 2)
+    with pytest.raises(ValueError, match=r"local 0 would span hosts \[0, 1\]"):
+        mesh_lib.model_grid(grid, 4, hosts)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class Annotated(nn.Module):
+    names: tuple
+    features: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_partitioning(nn.initializers.lecun_normal(), self.names)
+        return nn.Dense(self.features, kernel_init=init, use_bias=False)(x)
+
+
+def create(model, mesh, x, config=None, tx=None):
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = optax.sgd(0.1) if tx is None else tx
+    return zpp.TrainState.create(
+        apply_fn=model.apply, params=params, tx=tx, mesh=mesh, config=config
+    )
+
+
+@pytest.mark.parametrize(
+    "names,features,mesh_kw,match",
+    [
+        ((None, "tensor"), 8, dict(model_size=2), "names the mesh axis 'tensor'"),
+        ((None, "model"), 8, {}, r"make_mesh\(\.\.\., model_size=K\)"),
+        ((None, "local"), 8, dict(model_size=2), "names the ZeRO axis 'local'"),
+        ((None, "model"), 6, dict(model_size=4), "does not divide it"),
+        (("model", "model"), 8, dict(model_size=2), "for dimensions"),
+        (("model",), 8, dict(model_size=2), "expected one name"),
+    ],
+)
+def test_bad_annotations_fail_in_one_line_before_compiling(names, features, mesh_kw, match):
+    mesh = zpp.make_mesh(2, **mesh_kw)
+    with pytest.raises(ValueError, match=match) as err:
+        create(Annotated(names, features), mesh, np.ones((8, 4), np.float32))
+    assert "\n" not in str(err.value)
+
+
+def test_the_layer_axis_of_a_stacked_leaf_cannot_be_split():
+    with pytest.raises(ValueError, match="splits dimension 0 over 'model'"):
+        tensor_parallel.model_dims(["w"], [(4, 6, 8)], [("model", None, None)], _mesh(2))
+
+
+def test_weight_deltas_and_error_feedback_are_refused_with_a_split_leaf():
+    mesh = zpp.make_mesh(2, model_size=2)
+    x = np.ones((8, 4), np.float32)
+    for cfg in (zpp.ZeroPPConfig(weight_delta_bits=4), zpp.ZeroPPConfig(error_feedback="all")):
+        with pytest.raises(ValueError, match="cannot yet be combined"):
+            create(Annotated((None, "model")), mesh, x, cfg)
+
+
+def _mesh(k):
+    return zpp.make_mesh(2, model_size=k)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+class MLP(nn.Module):
+    """Megatron's MLP (column then row), plus an unannotated layer with odd sizes."""
+
+    @nn.compact
+    def __call__(self, x):
+        bias = nn.with_partitioning(nn.initializers.normal(0.1), ("model",))
+        h = jnp.tanh(nn.Dense(16, kernel_init=COLUMN, bias_init=bias)(x))
+        h = nn.Dense(5, kernel_init=ROW)(h)
+        return nn.Dense(3)(jnp.tanh(h))
+
+
+def mse_step(state, batch):
+    def loss(p):
+        return jnp.mean((state.apply_fn({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": value}
+
+
+def max_rel_err(a, b):
+    return max(
+        float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    )
+
+
+def mlp_batches(n=3):
+    rs = np.random.RandomState(0)
+    return [
+        {"x": rs.randn(16, 6).astype(np.float32), "y": rs.randn(16, 3).astype(np.float32)}
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (2, 1, 4), (1, 2, 4)])
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_annotated_mlp_unquantized_matches_one_device(shape, hierarchical):
+    nodes, local, k = shape
+    mesh = zpp.make_mesh(nodes, local, model_size=k)
+    config = zpp.ZeroPPConfig(hierarchical=hierarchical, **EXACT)
+    batches = mlp_batches()
+    boxed = MLP().init(jax.random.key(0), batches[0]["x"])["params"]
+    tx = optax.adam(1e-2)
+    ref = train_state.TrainState.create(apply_fn=MLP().apply, params=nn.unbox(boxed), tx=tx)
+    state = zpp.TrainState.create(
+        apply_fn=MLP().apply, params=boxed, tx=tx, mesh=mesh, config=config
+    )
+    assert state.params["Dense_0"]["kernel"].sharding.spec == P_TP
+    step, ref_step = zpp.shard(mse_step), jax.jit(mse_step)
+    for b in batches:
+        state, m = step(state, b)
+        ref, rm = ref_step(ref, b)
+        np.testing.assert_allclose(float(m["loss"]), float(rm["loss"]), rtol=1e-5)
+    got = zpp.gather_params(state)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref.params)
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(got))
+    assert max_rel_err(got, ref.params) <= 1e-5
+
+
+P_TP = jax.sharding.PartitionSpec("model", ("local", "node"))
+
+
+def test_model_size_one_trains_and_communicates_as_the_two_axis_mesh():
+    batches = mlp_batches(2)
+    boxed = MLP().init(jax.random.key(0), batches[0]["x"])["params"]
+    runs = []
+    for mesh in (zpp.make_mesh(2, 4), zpp.make_mesh(2, 4, model_size=1)):
+        params = boxed if "model" in mesh.axis_names else nn.unbox(boxed)
+        state = zpp.TrainState.create(
+            apply_fn=MLP().apply, params=params, tx=optax.adam(1e-2), mesh=mesh
+        )
+        step = zpp.shard(mse_step)
+        ledger = zpp.comm_ledger(step, state, batches[0]).to_markdown()
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        runs.append((ledger, losses, zpp.gather_params(state)))
+    (l2, losses2, p2), (l3, losses3, p3) = runs
+    assert l2 == l3
+    assert losses2 == losses3
+    assert max_rel_err(p3, p2) == 0.0
+
+
+def test_zeropp_formats_with_tensor_parallelism_stay_within_the_quantizer_bound():
+    """int8 weight gathers (hpZ) and int4 two-hop gradients on a column-parallel weight:
+    the weight the model sees is within half a step of the largest block, and the
+    gradient within two hops' half steps of every contribution."""
+    mesh = zpp.make_mesh(2, 2, model_size=2)
+    config = zpp.ZeroPPConfig(compute_dtype=jnp.float32, weight_block_size=8, grad_block_size=8)
+    model = Annotated((None, "model"), 16)
+    x = np.tile(np.eye(8, dtype=np.float32), (2, 1))  # 16 rows: the weight's rows, twice
+    state = create(model, mesh, x, config, tx=optax.sgd(1.0))
+    w = np.asarray(zpp.gather_params(state)["Dense_0"]["kernel"], np.float64)
+
+    def step(state, batch):
+        out = state.apply_fn({"params": state.params}, batch["x"])
+        grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, batch["x"])))(state.params)
+        return state.apply_gradients(grads=grads), {"out": out}
+
+    new, m = zpp.shard(step)(state, {"x": x})
+    seen = np.asarray(m["out"], np.float64)[:8]
+    assert np.max(np.abs(seen - w)) <= np.max(np.abs(w)) / qmax(8) / 2 * (1 + 2.0**-15) + 1e-7
+    grad = w - np.asarray(zpp.gather_params(new)["Dense_0"]["kernel"], np.float64)
+    # d/dW sum(x @ W) = column sums of x, 2 per row. Each of the 4 data-parallel devices
+    # contributes its 4 rows' sums (at most 1), quantized once in hop 1 (half a step of at
+    # most 1 / qmax each); each of the 2 nodes' partial sums (at most 2 plus its hop-1
+    # error) is quantized once in hop 2.
+    q = qmax(4) / (1 + 2.0**-15)
+    exact = np.full_like(w, 2.0)
+    hop1 = 4 * (1.0 / q) / 2
+    hop2 = 2 * ((2.0 + 2 / (2 * q)) / q) / 2
+    bound = hop1 + hop2 + 1e-5
+    assert np.max(np.abs(grad - exact)) <= bound
+
+
+# ----------------------------------------------------------------------------- the GPT
+
+GPT_TP = GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4, model_parallel=True)
+
+
+def gpt_step(state, batch):
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch, train=True))(
+        state.params
+    )
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+@pytest.mark.parametrize(
+    "k,scan,remat", [(2, True, "none"), (4, True, "full"), (2, False, "full"), (4, False, "none")]
+)
+def test_gpt_unquantized_matches_one_device(k, scan, remat):
+    cfg = dataclasses.replace(GPT_TP, scan=scan, remat=remat)
+    tx = optax.sgd(0.5)
+    ref = train_state.TrainState.create(apply_fn=GPT(cfg).apply, params=init_params(cfg, 0), tx=tx)
+    mesh = zpp.make_mesh(2, 4 // k, model_size=k)
+    config = zpp.ZeroPPConfig(**EXACT)
+    state = zpp.TrainState.create(
+        apply_fn=GPT(cfg).apply, params=init_fn(cfg, 0), tx=tx, mesh=mesh, config=config
+    )
+    step, ref_step = zpp.shard(gpt_step), jax.jit(gpt_step)
+    rs = np.random.RandomState(0)
+    for _ in range(2):
+        b = rs.randint(0, 256, (8, cfg.seq_len + 1)).astype(np.int32)
+        state, m = step(state, b)
+        ref, rm = ref_step(ref, b)
+        np.testing.assert_allclose(float(m["loss"]), float(rm["loss"]), rtol=1e-5)
+    assert max_rel_err(zpp.gather_params(state), ref.params) <= 1e-5
+
+
+def test_ledger_tensor_parallel_collectives_stay_on_model_inside_a_node():
+    cfg = dataclasses.replace(GPT_TP, scan=True)
+    mesh = zpp.make_mesh(2, 2, model_size=2)
+    state = zpp.TrainState.create(
+        apply_fn=GPT(cfg).apply, params=init_fn(cfg, 0), tx=optax.adam(1e-3), mesh=mesh
+    )
+    b = np.zeros((8, cfg.seq_len + 1), np.int32)
+    step = zpp.shard(gpt_step)
+    # As JAX wrote it: the ZeRO collectives, over the data-parallel axes only.
+    lowered = zpp.comm_ledger(step, state, b)
+    assert lowered.records and all("model" not in r.axes for r in lowered.records)
+    # As XLA runs it: the tensor-parallel collectives it inserted are over `model` alone,
+    # never across nodes; and the weights' gathers still move one slice per device.
+    compiled = zpp.comm_ledger(step, state, b, compiled=True)
+    tp = [r for r in compiled.records if "model" in r.axes]
+    assert tp and all(r.axes == ("model",) and not r.cross_node for r in tp)
+    assert {r.op for r in tp} == {"all-reduce"}
+    zero = [r for r in compiled.records if r.bytes_sent and "model" not in r.axes]
+    assert {a for r in zero for a in r.axes} == {"node", "local"}
