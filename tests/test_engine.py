@@ -223,7 +223,9 @@ def setup():
 def test_bad_batch(setup):
     mesh, config, state, batch, _ = setup
     step = zpp.shard(train_step, mesh=mesh, config=config)
-    with pytest.raises(ValueError, match="global batch 12 is not divisible by the 8 devices"):
+    with pytest.raises(
+        ValueError, match="global batch 12 is not divisible by the 8 data-parallel devices"
+    ):
         step(state, data(batch=12))
     with pytest.raises(ValueError, match="disagree on the leading"):
         step(state, {"x": batch["x"], "y": batch["y"][:8]})
@@ -375,7 +377,9 @@ def test_shard_checks_mesh_and_config_when_given():
         zpp.shard(train_step)(plain, batch)
     with pytest.raises(ValueError, match="carries mesh NoneType and config NoneType"):
         zpp.shard(train_step)(state.replace(mesh=None, config=None), batch)
-    with pytest.raises(ValueError, match="global batch 12 is not divisible by the 8 devices"):
+    with pytest.raises(
+        ValueError, match="global batch 12 is not divisible by the 8 data-parallel devices"
+    ):
         zpp.shard(train_step).lower(state, data(batch=12))
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
         zpp.shard(train_step, mesh={"node": 2})

@@ -138,7 +138,7 @@ def _metrics(out):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--batch", "12"], "--batch 12 is not divisible by the 8 devices"),
+        (["--batch", "12"], "--batch 12 is not divisible by the 8 data-parallel devices"),
         (["--nodes", "3"], "num_nodes=3 does not divide the 8 devices"),
         (["--nodes", "2", "--local", "2"], "the product must equal the device count"),
         (["--weight-bits", "3"], "invalid bit width '3'"),
@@ -148,7 +148,7 @@ def _metrics(out):
         (["--zero3", "--engine", "xla-fsdp"], "--zero3 and --engine xla-fsdp disagree"),
         (["--engine", "xla-fsdp", "--resume"], "writes no checkpoints"),
         (["--engine", "fsdp"], "invalid choice: 'fsdp'"),
-        (["--batch", "7"], "--batch 7 is not divisible by the 8 devices"),
+        (["--batch", "7"], "--batch 7 is not divisible by the 8 data-parallel devices"),
         (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
         (["--grad-block-size", "7"], "error: --grad-block-size 7: ZeroPPConfig.grad_block_size"),
     ],

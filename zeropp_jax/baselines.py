@@ -9,6 +9,10 @@ collective by hand.
     runs on it unchanged.
   * Every leaf is sharded along one dimension over all devices (`fsdp_spec`): for a
     stacked leaf `(layers, ...)` one of its per-layer dimensions, never the layer axis.
+  * On a `('node', 'local', 'model')` mesh (tensor parallelism), a leaf annotated with
+    `nn.with_partitioning(..., 'model')` is split over `model` at that dimension and over
+    the data-parallel axes along another (FSDP + TP, as MaxText shards), and so is its
+    optimizer state; the batch is split over the data-parallel axes only.
   * Compute is in `compute_dtype` (bfloat16 by default), as in the engine: the model sees
     its floating-point weights cast to it; the master weights and the optimizer state stay
     float32.
@@ -26,25 +30,33 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.partition import BATCH_SPEC
+from zeropp_jax import tensor_parallel
+from zeropp_jax.mesh import data_parallel_size
+from zeropp_jax.partition import BATCH_SPEC, MODEL_AXIS
 
 ALL_DEVICES = ("node", "local")
 """The mesh axes a leaf is sharded over: all of them, in device order."""
 
 
-def fsdp_spec(shape: tuple[int, ...], num_devices: int) -> P:
-    """The `PartitionSpec` that shards a leaf of global `shape` over all devices.
+def fsdp_spec(shape: tuple[int, ...], num_devices: int, model_dim: int | None = None) -> P:
+    """The `PartitionSpec` that shards a leaf of global `shape` over all (data-parallel)
+    devices, and over `model` at `model_dim` when given.
 
-    The dimension is the largest one divisible by `num_devices`, the layer axis (axis 0 of
-    a leaf of rank 3 or more) excluded; a leaf with no such dimension is replicated (the
-    small vectors of a model whose widths are not multiples of the device count).
+    The data-parallel dimension is the largest one divisible by `num_devices`, the layer
+    axis (axis 0 of a leaf of rank 3 or more) and `model_dim` excluded; a leaf with no such
+    dimension is not split over them (the small vectors of a model whose widths are not
+    multiples of the device count).
     """
-    candidates = range(1 if len(shape) >= 3 else 0, len(shape))
+    dims: list[Any] = [None] * len(shape)
+    if model_dim is not None:
+        dims[model_dim] = MODEL_AXIS
+    candidates = [d for d in range(1 if len(shape) >= 3 else 0, len(shape)) if d != model_dim]
     fits = [d for d in candidates if shape[d] % num_devices == 0 and shape[d] >= num_devices]
-    if not fits:
-        return P()
-    dim = max(fits, key=lambda d: (shape[d], -d))
-    return P(*([None] * dim), ALL_DEVICES)
+    if fits:
+        dims[max(fits, key=lambda d: (shape[d], -d))] = ALL_DEVICES
+    while dims and dims[-1] is None:
+        dims.pop()
+    return P(*dims)
 
 
 def cast_floats(tree: Any, dtype: jnp.dtype) -> Any:
@@ -65,17 +77,30 @@ def _compute_in(apply_fn: Callable, dtype: jnp.dtype) -> Callable:
 
 
 def _check_mesh(mesh: Mesh) -> None:
-    if tuple(mesh.axis_names) != ALL_DEVICES:
+    if tuple(mesh.axis_names) not in (ALL_DEVICES, (*ALL_DEVICES, MODEL_AXIS)):
         raise ValueError(
-            f"XLA FSDP: mesh axes {tuple(mesh.axis_names)}; expected {ALL_DEVICES} "
-            "(make it with zpp.make_mesh)."
+            f"XLA FSDP: mesh axes {tuple(mesh.axis_names)}; expected {ALL_DEVICES} or "
+            f"{(*ALL_DEVICES, MODEL_AXIS)} (make it with zpp.make_mesh)."
         )
 
 
-def state_shardings(state: Any, mesh: Mesh) -> Any:
-    """`NamedSharding`s for every array leaf of `state` (concrete or abstract)."""
+def state_shardings(state: Any, mesh: Mesh, model_dims: dict[str, int] | None = None) -> Any:
+    """`NamedSharding`s for every array leaf of `state` (concrete or abstract).
+
+    `model_dims` maps a parameter's path (`jax.tree_util.keystr` within the parameter
+    tree) to the dimension it splits over `model`; every leaf of `state` whose path ends
+    with that path (the parameter, its optimizer moments) is split there.
+    """
     _check_mesh(mesh)
-    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), mesh.size)), state)
+    n = data_parallel_size(mesh)
+    model_dims = model_dims or {}
+
+    def spec(path: Any, x: Any) -> NamedSharding:
+        key = jax.tree_util.keystr(path)
+        dim = next((d for p, d in model_dims.items() if key.endswith(p) and d < np.ndim(x)), None)
+        return NamedSharding(mesh, fsdp_spec(np.shape(x), n, dim))
+
+    return jax.tree_util.tree_map_with_path(spec, state)
 
 
 def xla_fsdp_state(
@@ -110,10 +135,11 @@ def xla_fsdp_state(
 
     def create() -> train_state.TrainState:
         p = params() if callable(params) else params
+        p = tensor_parallel.unbox(p)[0]
         return train_state.TrainState.create(apply_fn=_compute_in(apply_fn, dtype), params=p, tx=tx)
 
     shapes = jax.eval_shape(create)
-    shardings = state_shardings(shapes, mesh)
+    shardings = state_shardings(shapes, mesh, model_dims_of(params, mesh))
     if abstract:
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
@@ -121,8 +147,24 @@ def xla_fsdp_state(
     return jax.jit(create, out_shardings=shardings)()
 
 
+def model_dims_of(params: Any, mesh: Mesh) -> dict[str, int]:
+    """Per annotated parameter path, the dimension it splits over `model` (see
+    `tensor_parallel.model_dims`): `params` is a tree (possibly of shapes) or a
+    zero-argument callable returning one (traced, not run)."""
+    shapes = jax.eval_shape(params) if callable(params) else params
+    unboxed, names = tensor_parallel.unbox(shapes)
+    flat = jax.tree_util.tree_flatten_with_path(unboxed)[0]
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    dims = tensor_parallel.model_dims(paths, [tuple(np.shape(x)) for _, x in flat], names, mesh)
+    return {p: d for p, d in zip(paths, dims, strict=True) if d is not None}
+
+
 def xla_fsdp_step(
-    train_step: Callable, state: Any, mesh: Mesh, *, donate_state: bool = True
+    train_step: Callable,
+    state: Any,
+    mesh: Mesh,
+    *,
+    donate_state: bool = True,
 ) -> Any:
     """`jax.jit(train_step)` with the state sharded as `xla_fsdp_state` places it, the
     batch split over all devices along its first axis, and the metrics replicated.
@@ -137,7 +179,8 @@ def xla_fsdp_step(
       The jitted step, a `jax.jit` wrapper (`.lower` works, so `comm_ledger(...,
       compiled=True)` reads what XLA chose to send).
     """
-    shardings = state_shardings(state, mesh)
+    _check_mesh(mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
     return jax.jit(
         train_step,
         in_shardings=(shardings, NamedSharding(mesh, BATCH_SPEC)),

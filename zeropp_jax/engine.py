@@ -350,7 +350,8 @@ def check_batch(batch: Any, num_devices: int) -> int:
     (size,) = distinct
     if size % num_devices:
         raise ValueError(
-            f"global batch {size} is not divisible by the {num_devices} devices of the mesh; "
+            f"global batch {size} is not divisible by the {num_devices} data-parallel devices "
+            "(node x local) of the mesh; "
             f"use a multiple of {num_devices} (e.g. {max(1, size // num_devices) * num_devices})."
         )
     return size

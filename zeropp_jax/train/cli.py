@@ -158,13 +158,14 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
     import jax
 
     import zeropp_jax as zpp
+    from zeropp_jax.mesh import data_parallel_size
     from zeropp_jax.train import data
     from zeropp_jax.train.model import GPT, init_fn
     from zeropp_jax.train.model import param_count as param_count_of
 
     mesh = make_mesh(args)
     n_dev = mesh.size
-    check_batch(args, n_dev)
+    check_batch(args, data_parallel_size(mesh))
     config = zeropp_config(args)
     out = args.out or default_out(args)
     if args.resume:
@@ -353,9 +354,10 @@ def _train(run: _Run) -> int:
         dynamic_ncols=True,
     )
     say = bar.write if run.main else (lambda _msg: None)
+    shape = " x ".join(str(n) for n in run.mesh.shape.values())
     say(
-        f"{run.param_count / 1e6:.2f}M parameters on a {run.mesh.shape['node']} x "
-        f"{run.mesh.shape['local']} ('node', 'local') mesh of {jax.default_backend()} devices; "
+        f"{run.param_count / 1e6:.2f}M parameters on a {shape} {tuple(run.mesh.axis_names)} "
+        f"mesh of {jax.default_backend()} devices; "
         f"config {config_text(run.config)}; corpus {len(run.corpus.train) / 1e6:.1f}M train "
         f"/ {len(run.corpus.val) / 1e6:.2f}M val bytes, unigram entropy "
         f"{run.entropy:.3f} nats ({data.bits(run.entropy):.2f} bits) per byte; out {run.out}"

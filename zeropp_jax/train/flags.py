@@ -192,6 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="size of the 'local' axis (default: devices / nodes)",
     )
     g.add_argument(
+        "--model-parallel",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="tensor parallelism: split the blocks Megatron-style over a 'model' axis of K "
+        "devices inside each node (attention heads and the MLP's first matrix by column, "
+        "their output matrices by row); --local then counts data-parallel ranks per node (1)",
+    )
+    g.add_argument(
         "--weight-bits",
         type=_bits,
         default=8,
@@ -349,6 +358,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     _resolve_model(args)
     if args.d_model % args.n_heads:
         raise UsageError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
+    _check_model_parallel(args)
     if not args.lr > 0 or not math.isfinite(args.lr):
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
     if not 0 <= args.min_lr_ratio <= 1:
@@ -365,6 +375,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.distributed and args.coordinator is not None:
         raise UsageError("give either --distributed (auto-detect) or --coordinator, not both")
     return args
+
+
+def _check_model_parallel(args: argparse.Namespace) -> None:
+    """Raises `UsageError` for a `--model-parallel` the model or the flags cannot take."""
+    k = args.model_parallel
+    if k == 1:
+        return
+    if args.n_heads % k:
+        raise UsageError(
+            f"--model-parallel {k} does not divide --n-heads {args.n_heads}; each model rank "
+            "holds whole heads, so pick a divisor of the head count"
+        )
+    if args.weight_delta_bits is not None or args.error_feedback != "none":
+        raise UsageError(
+            f"--model-parallel {k} cannot yet be combined with --weight-delta-bits or "
+            "--error-feedback; leave them at none"
+        )
+    if args.plan:
+        raise UsageError(
+            f"--plan's analytic estimate does not model --model-parallel {k} yet; without "
+            "--plan the trainer still checks XLA's memory analysis before the first step"
+        )
 
 
 def _resolve_model(args: argparse.Namespace) -> None:
@@ -390,6 +422,7 @@ def gpt_config(args: argparse.Namespace):
         n_heads=args.n_heads,
         scan=args.scan_layers,
         remat=args.remat,
+        model_parallel=args.model_parallel > 1,
     )
 
 

@@ -79,7 +79,8 @@ def _launched_on_loopback(args: argparse.Namespace) -> bool:
 
 
 def make_mesh(args: argparse.Namespace):
-    """The `('node', 'local')` mesh the flags describe (defaults: see `--nodes`)."""
+    """The `('node', 'local')` mesh the flags describe (defaults: see `--nodes`), with a
+    `model` axis of `--model-parallel` devices inside each node when it is above 1."""
     import jax
 
     import zeropp_jax as zpp
@@ -93,14 +94,21 @@ def make_mesh(args: argparse.Namespace):
     elif nodes is None and local is None and jax.default_backend() == "cpu":
         n = jax.device_count()
         nodes = 2 if n % 2 == 0 else 1
-    return zpp.make_mesh(num_nodes=nodes, local_size=local)
+    k = getattr(args, "model_parallel", 1)
+    try:
+        return zpp.make_mesh(num_nodes=nodes, local_size=local, model_size=k if k > 1 else None)
+    except ValueError as e:
+        if k == 1:
+            raise
+        raise UsageError(f"--model-parallel {k}: {e}") from None
 
 
 def check_batch(args: argparse.Namespace, n_dev: int) -> None:
-    """Raises `UsageError` unless `--batch` divides over the mesh's `n_dev` devices."""
+    """Raises `UsageError` unless `--batch` divides over the mesh's `n_dev` data-parallel
+    devices (`node` x `local`)."""
 
     if args.batch % n_dev:
         raise UsageError(
-            f"--batch {args.batch} is not divisible by the {n_dev} devices of the mesh; "
-            f"use a multiple of {n_dev}"
+            f"--batch {args.batch} is not divisible by the {n_dev} data-parallel devices of "
+            f"the mesh; use a multiple of {n_dev}"
         )

@@ -76,13 +76,14 @@ def plan_report(args: argparse.Namespace, *, train_step: Callable, tx: Any) -> s
     import numpy as np
 
     import zeropp_jax as zpp
+    from zeropp_jax.mesh import data_parallel_size
     from zeropp_jax.partition import BATCH_SPEC
     from zeropp_jax.train import fit, plan
     from zeropp_jax.train.model import GPT, init_fn
     from zeropp_jax.train.model import param_count as param_count_of
 
     mesh = make_mesh(args)
-    check_batch(args, mesh.size)
+    check_batch(args, data_parallel_size(mesh))
     config = None if args.engine == "xla-fsdp" else zeropp_config(args)
     gpt = gpt_config(args)
     model = GPT(gpt)
