@@ -64,6 +64,7 @@ def test_one_step_across_the_shaped_link(tmp_path):
     with open(tmp_path / "smoke.csv") as f:
         rows = {row["config"]: row for row in csv.DictReader(f)}
     assert set(rows) == {"zero3", "zeropp"} and {r["rate"] for r in rows.values()} == {"200"}
+    assert "model_parallel" not in rows["zero3"]  # no TP column unless asked for
     assert all(float(r["step_s"]) > 0 for r in rows.values())
     for row in rows.values():
         # The veth carries what the ledger says crosses each node's link, plus protocol
@@ -77,6 +78,26 @@ def test_one_step_across_the_shaped_link(tmp_path):
     zero3, zeropp = (float(rows[c]["link_mb_per_step"]) for c in ("zero3", "zeropp"))
     assert zero3 / zeropp > 5, (zero3, zeropp)
     assert (tmp_path / "smoke.md").exists()
+
+
+def test_tensor_parallel_sizes_each_cross_the_link_as_the_ledger_says(tmp_path):
+    proc = run_cluster(
+        "--configs", "xla_fsdp,zeropp", "--rates", "inf", "--model-parallel", "1,2",
+        "--steps", "1", "--warmup", "0", "--width", "1024", "--out-dir", str(tmp_path),
+        "--name", "tp", "--timeout", "300",
+        timeout=320,  # bounds for a loaded machine; about 35 s on an idle one
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "tp.csv") as f:
+        rows = {(row["model_parallel"], row["config"]): row for row in csv.DictReader(f)}
+    assert set(rows) == {(k, c) for k in ("1", "2") for c in ("xla_fsdp", "zeropp")}
+    for key, row in rows.items():
+        # XLA's tensor-parallel all-reduces stay inside a node: the link carries what the
+        # ledger says, plus protocol overhead.
+        for direction in ("node0_to_node1", "node1_to_node0"):
+            measured, ledger = float(row[f"mb_{direction}"]), float(row[f"ledger_mb_{direction}"])
+            assert ledger <= measured <= 1.10 * ledger, (key, direction, measured, ledger)
+    assert "| TP | link rate |" in (tmp_path / "tp.md").read_text()
 
 
 def test_namespaces_removed_when_the_run_fails(tmp_path):

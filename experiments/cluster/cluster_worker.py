@@ -1,7 +1,10 @@
 """One node of the emulated two-node cluster: times training steps per config and link rate.
 
 Started by `run_cluster.py`, one process per network namespace, with the `ZEROPP_*`
-variables of `zeropp_jax.launch` (4 CPU devices per process). For each config it builds
+variables of `zeropp_jax.launch` (4 CPU devices per process). For each tensor-parallel
+size K of `--model-parallel` it builds its mesh (K = 1: the two-axis `('node', 'local')`
+mesh and an unannotated MLP; K > 1: `zpp.make_mesh(model_size=K)` and the MLP's layers split
+Megatron-style over `model`, see `megatron_init`), and then, for each config it builds
 the state and compiles the step once, then for each rate it shapes its own side of the
 veth pair (`tc ... tbf` on its egress, so each direction of the link is shaped by the
 process that sends on it), waits for the other process at a barrier, runs `warmup` steps
@@ -9,7 +12,7 @@ of every config, then times `steps` steps of each, the configs alternating step 
 (`block_until_ready` after each), and reads the bytes its interface sent and received
 around each step from `/sys/class/net/<iface>/statistics`.
 
-Writes `<out>/process_<i>.json`: one record per (config, rate).
+Writes `<out>/process_<i>.json`: one record per (K, config, rate).
 """
 
 from __future__ import annotations
@@ -52,7 +55,32 @@ def shape_link(iface: str, rate: str, *, burst_kb: int, latency_ms: int) -> None
     )
 
 
-def build(config_name: str, width: int, depth: int, batch: int, mesh):
+def megatron_init(layer: int, depth: int, model_parallel: int) -> dict:
+    """`nn.Dense` initializers splitting layer `layer` of `depth` over the `model` axis.
+
+    Layers pair up Megatron-style: an even layer is column-parallel (kernel and bias split
+    along the outputs), the odd layer after it row-parallel (kernel split along the inputs,
+    bias whole). With an odd `depth` the last layer stays whole; with `model_parallel` 1
+    nothing is annotated (the two-axis mesh's model, as before tensor parallelism).
+    """
+    import flax.linen as nn
+
+    if model_parallel == 1 or (layer % 2 == 0 and layer == depth - 1):
+        return {}
+    kernel = nn.initializers.lecun_normal()
+    if layer % 2 == 0:
+        return dict(
+            kernel_init=nn.with_partitioning(kernel, (None, "model")),
+            bias_init=nn.with_partitioning(nn.initializers.zeros_init(), ("model",)),
+        )
+    return dict(kernel_init=nn.with_partitioning(kernel, ("model", None)))
+
+
+def build(config_name: str, width: int, depth: int, batch: int, mesh, model_parallel: int):
+    """The state, the step and one global batch for `config_name` on `mesh`.
+
+    Returns `(state, step, batch, params)`, `params` the model's parameter count.
+    """
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -66,9 +94,10 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh):
     class MLP(nn.Module):
         @nn.compact
         def __call__(self, x):
-            for _ in range(depth - 1):
-                x = jax.nn.gelu(nn.Dense(width)(x))
-            return nn.Dense(width)(x)
+            for i in range(depth):
+                x = nn.Dense(width, **megatron_init(i, depth, model_parallel))(x)
+                x = jax.nn.gelu(x) if i < depth - 1 else x
+            return x
 
     def train_step(state, batch):
         def loss_fn(params):
@@ -80,6 +109,7 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh):
 
     model = MLP()
     params = model.init(jax.random.key(0), np.zeros((1, width), np.float32))["params"]
+    count = sum(int(x.size) for x in jax.tree.leaves(nn.unbox(params)))
     rs = np.random.RandomState(0)
     sharding = batch_sharding(mesh)
     data = {
@@ -89,7 +119,7 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh):
     data = {k: make_global_batch(local_rows(v, sharding), sharding, batch) for k, v in data.items()}
     if config_name == "xla_fsdp":
         state = xla_fsdp_state(apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh)
-        return state, xla_fsdp_step(train_step, state, mesh), data
+        return state, xla_fsdp_step(train_step, state, mesh), data, count
     config = {
         "zero3": zpp.ZeroPPConfig.zero3(),
         "zero3_noprefetch": zpp.ZeroPPConfig.zero3(prefetch=False),
@@ -101,56 +131,38 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh):
         apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh, config=config
     )
     step = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
-    return state, step, data
+    return state, step, data, count
 
 
-def param_count(state) -> int:
-    import jax
-
-    return sum(int(x.size) for x in jax.tree.leaves(state.params))
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--iface", required=True)
-    p.add_argument("--rates", default="100,inf", help="Mbit/s, comma-separated; inf = no limit")
-    p.add_argument("--configs", default="zero3,zeropp")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--width", type=int, default=1536)
-    p.add_argument("--depth", type=int, default=5)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--burst-kb", type=int, default=64)
-    p.add_argument("--latency-ms", type=int, default=100)
-    args = p.parse_args(argv)
-
-    initialize_from_env()
+def run_model_parallel(args, mesh, model_parallel: int, names: list[str]) -> list[dict]:
+    """Builds every config on `mesh`, then times them at every rate; one record each."""
     import jax
     from jax.experimental import multihost_utils
 
     import zeropp_jax as zpp
 
-    me = jax.process_index()
-    mesh = zpp.make_mesh()
-    names = args.configs.split(",")
-    print(f"process {me}: mesh {dict(mesh.shape)}, iface {args.iface}", flush=True)
+    me, k = jax.process_index(), model_parallel
     shape_link(args.iface, UNLIMITED, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
-    runs, compile_s, predicted = {}, {}, {}
+    runs, compile_s, predicted, params = {}, {}, {}, {}
     for name in names:
         t0 = time.perf_counter()
-        state, step, batch = build(name, args.width, args.depth, args.batch, mesh)
+        state, step, batch, params[name] = build(
+            name, args.width, args.depth, args.batch, mesh, model_parallel
+        )
         # What the ledger predicts for the link, from the program XLA compiled.
         ledger = zpp.comm_ledger(
-            step, state, batch, mesh=mesh, param_count=param_count(state), compiled=True
+            step, state, batch, mesh=mesh, param_count=params[name], compiled=True
         )
         predicted[name] = ledger.node_link_bytes()[me].tolist()
-        multihost_utils.sync_global_devices(f"{name} built")
+        multihost_utils.sync_global_devices(f"{name} tp{k} built")
         state, metrics = step(state, batch)  # compile
         jax.block_until_ready((state, metrics))
         compile_s[name] = time.perf_counter() - t0
         runs[name] = [state, step, batch, metrics]
-        print(f"process {me}: {name} built and compiled in {compile_s[name]:.1f}s", flush=True)
+        print(
+            f"process {me}: {name} (TP {k}) built and compiled in {compile_s[name]:.1f}s",
+            flush=True,
+        )
 
     def one_step(name: str) -> float:
         state, step, batch, _ = runs[name]
@@ -163,7 +175,7 @@ def main(argv=None) -> int:
     records = []
     for rate in args.rates.split(","):
         shape_link(args.iface, rate, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
-        multihost_utils.sync_global_devices(f"rate {rate}")
+        multihost_utils.sync_global_devices(f"tp{k} rate {rate}")
         for _ in range(args.warmup):
             for name in names:
                 one_step(name)
@@ -185,11 +197,12 @@ def main(argv=None) -> int:
                     process=me,
                     config=name,
                     rate=rate,
+                    model_parallel=k,
                     times_s=times[name],
                     tx_bytes=sent[name],
                     rx_bytes=received[name],
                     steps=args.steps,
-                    params=param_count(runs[name][0]),
+                    params=params[name],
                     ledger_tx_bytes=predicted[name][0],
                     ledger_rx_bytes=predicted[name][1],
                     loss=loss,
@@ -198,11 +211,45 @@ def main(argv=None) -> int:
             )
             median = sorted(times[name])[len(times[name]) // 2]
             print(
-                f"process {me}: {name} @ {rate} Mbit/s: step {median:.3f}s (median of "
-                f"{args.steps}), sent {sent[name] / args.steps / 1e6:.1f} MB/step, "
+                f"process {me}: {name} (TP {k}) @ {rate} Mbit/s: step {median:.3f}s (median "
+                f"of {args.steps}), sent {sent[name] / args.steps / 1e6:.1f} MB/step, "
                 f"loss {loss:.4f}",
                 flush=True,
             )
+    runs.clear()  # free this mesh's states before the next one is built
+    return records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--iface", required=True)
+    p.add_argument("--rates", default="100,inf", help="Mbit/s, comma-separated; inf = no limit")
+    p.add_argument("--configs", default="zero3,zeropp")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--width", type=int, default=1536)
+    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--model-parallel", default="1", help="TP sizes, comma-separated")
+    p.add_argument("--burst-kb", type=int, default=64)
+    p.add_argument("--latency-ms", type=int, default=100)
+    args = p.parse_args(argv)
+
+    initialize_from_env()
+    import jax
+    from jax.experimental import multihost_utils
+
+    import zeropp_jax as zpp
+
+    me = jax.process_index()
+    names = args.configs.split(",")
+    records = []
+    for k in (int(k) for k in args.model_parallel.split(",")):
+        # K = 1: the two-axis mesh, exactly as before tensor parallelism.
+        mesh = zpp.make_mesh(model_size=k) if k > 1 else zpp.make_mesh()
+        print(f"process {me}: mesh {dict(mesh.shape)}, iface {args.iface}", flush=True)
+        records += run_model_parallel(args, mesh, k, names)
     shape_link(args.iface, UNLIMITED, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
     with open(os.path.join(args.out, f"process_{me}.json"), "w") as f:
         json.dump(records, f, indent=1)

@@ -3,6 +3,7 @@
     sudo python experiments/cluster/run_cluster.py                 # full sweep (minutes)
     sudo python experiments/cluster/run_cluster.py --quick         # smoke run, tiny model
     sudo python experiments/cluster/run_cluster.py --rates 100,inf --configs zero3,zeropp
+    sudo python experiments/cluster/run_cluster.py --model-parallel 1,2,4 --name tp_cluster
 
 Two network namespaces joined by a veth pair stand for two nodes; each direction of the
 pair is shaped with `tc ... tbf` (netem, and so latency emulation, is unavailable). One
@@ -18,7 +19,11 @@ For each config (`CONFIG_LABELS`: XLA's own FSDP from `zeropp_jax.baselines`,
 `prefetch=False`) and each rate, the workers time single training steps of an MLP (median
 of `--steps` after `--warmup`, the configs alternating step by step), count the bytes on
 the veth (`/sys/class/net/<if>/statistics`, each direction) and set them beside what
-`zpp.comm_ledger(..., compiled=True)` says crosses each node's link. Writes
+`zpp.comm_ledger(..., compiled=True)` says crosses each node's link. With
+`--model-parallel 1,2,4` the sweep repeats per tensor-parallel size K: for K > 1 each node's
+4 devices form `4 / K` data-parallel ranks of a `model` group of K
+(`zpp.make_mesh(model_size=K)`) and the MLP's layers are split Megatron-style over it; the
+tables gain a TP column (K = 1 alone writes them as before). Writes
 `<name>.md`, `<name>.csv` and `<name>.png` into `--out-dir` (default
 `experiments/results`). The namespaces are deleted on every exit path (also on failure,
 Ctrl-C or SIGTERM); the workers are SIGKILLed first.
@@ -153,16 +158,20 @@ def rate_label(rate: str) -> str:
     return "unlimited" if rate == "inf" else f"{rate} Mbit/s"
 
 
-def summarize(records: list[dict], configs: list[str], rates: list[str]) -> list[dict]:
-    """One row per (rate, config): the slower process's step time per step, median and
-    range over steps; bytes through the link per step in each direction, measured on the
-    veth and predicted by the ledger; speedups over each of `BASELINES` run at that rate."""
+def summarize(
+    records: list[dict], configs: list[str], rates: list[str], model_parallel: list[int] = (1,)
+) -> list[dict]:
+    """One row per (rate, config), and per tensor-parallel size K when `model_parallel` is
+    not just 1: the slower process's step time per step, median and range over steps;
+    bytes through the link per step in each direction, measured on the veth and predicted
+    by the ledger; speedups over each of `BASELINES` run at that rate (and K)."""
     by = {}
     for r in records:
-        by.setdefault((r["config"], r["rate"]), []).append(r)
+        by.setdefault((r.get("model_parallel", 1), r["config"], r["rate"]), []).append(r)
+    with_tp = list(model_parallel) != [1]
     rows = []
-    for rate in rates:
-        procs = {cfg: sorted(by[(cfg, rate)], key=lambda r: r["process"]) for cfg in configs}
+    for k, rate in ((k, rate) for k in model_parallel for rate in rates):
+        procs = {cfg: sorted(by[(k, cfg, rate)], key=lambda r: r["process"]) for cfg in configs}
         per_step = {
             cfg: [max(ts) for ts in zip(*(r["times_s"] for r in recs), strict=True)]
             for cfg, recs in procs.items()
@@ -171,7 +180,8 @@ def summarize(records: list[dict], configs: list[str], rates: list[str]) -> list
         for cfg, recs in procs.items():
             measured = [r["tx_bytes"] / r["steps"] for r in recs]  # per direction
             ledger = [r["ledger_tx_bytes"] for r in recs]
-            row = dict(
+            row = dict(model_parallel=k) if with_tp else {}  # K = 1 alone: columns as before
+            row.update(
                 rate=rate,
                 config=cfg,
                 step_s=medians[cfg],
@@ -226,18 +236,21 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
     paths.append(str(csv_path))
 
     bases = [b for b in BASELINES if any(r[f"speedup_over_{b}"] is not None for r in rows)]
+    with_tp = "model_parallel" in rows[0]
     head = (
-        "| link rate | config | step time, median (s) | min-max (s) | link MB/step, measured "
+        ("| TP | " if with_tp else "| ")
+        + "link rate | config | step time, median (s) | min-max (s) | link MB/step, measured "
         "| ledger | measured / ledger | in units of M | "
         + " | ".join(f"speedup over {CONFIG_LABELS[b]}" for b in bases)
         + " |"
     )
     lines = [f"# Emulated two-node cluster\n\n{meta}\n", head]
-    lines.append("|---|---|" + "---:|" * (6 + len(bases)))
+    lines.append(("|---:|" if with_tp else "|") + "---|---|" + "---:|" * (6 + len(bases)))
     for r in rows:
         ratio = "n/a" if r["measured_over_ledger"] is None else f"{r['measured_over_ledger']:.3f}"
         lines.append(
-            f"| {rate_label(r['rate'])} | {CONFIG_LABELS.get(r['config'], r['config'])} | "
+            (f"| {r['model_parallel']} " if with_tp else "")
+            + f"| {rate_label(r['rate'])} | {CONFIG_LABELS.get(r['config'], r['config'])} | "
             f"{r['step_s']:.3f} | {r['step_min_s']:.3f}-{r['step_max_s']:.3f} | "
             f"{r['link_mb_per_step']:.2f} | "
             f"{max(r['ledger_mb_node0_to_node1'], r['ledger_mb_node1_to_node0']):.2f} | "
@@ -251,8 +264,18 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
         "Ledger: the same from `zpp.comm_ledger(..., compiled=True)` (bytes through each "
         "node's link, gloo's algorithms), payload only. M is the model's size in 16-bit bytes "
         "(2 x parameters). Speedup: the baseline's median step time over the config's, at the "
-        "same rate; '(ranges overlap)' when the two min-max ranges overlap, so the ratio is "
-        "not resolved by these steps."
+        "same rate" + (" and TP size" if with_tp else "") + "; '(ranges overlap)' when the two "
+        "min-max ranges overlap, so the ratio is not resolved by these steps."
+        + (
+            " TP: the tensor-parallel size K, the `model` axis of `zpp.make_mesh(model_size=K)` "
+            "inside each node (4 / K data-parallel devices per node); K = 1 is the two-axis "
+            "mesh and an unannotated MLP. For K > 1 the MLP's layers are split in Megatron "
+            "pairs (column-parallel, then row-parallel; an odd last layer whole); XLA's "
+            "tensor-parallel all-reduces run over `model`, inside a node, so they do not "
+            "cross the link."
+            if with_tp
+            else ""
+        )
     )
     md_path = out_dir / f"{name}.md"
     md_path.write_text("\n".join(lines) + "\n")
@@ -266,12 +289,14 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return paths
-    rates = list(dict.fromkeys(r["rate"] for r in rows))
+    # One group of bars per rate (per TP size and rate when there is a TP column).
+    group = (lambda r: (r["model_parallel"], r["rate"])) if with_tp else (lambda r: r["rate"])
+    rates = list(dict.fromkeys(group(r) for r in rows))
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10 + 2 * with_tp, 4))
     width = 0.8 / len(configs)
     for j, cfg in enumerate(configs):
-        sel = {r["rate"]: r for r in rows if r["config"] == cfg}
+        sel = {group(r): r for r in rows if r["config"] == cfg}
         xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(rates))]
         label = CONFIG_LABELS.get(cfg, cfg)
         ax0.bar(xs, [sel[r]["step_s"] for r in rates], width, label=label)
@@ -288,7 +313,8 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
                     fontsize=7,
                 )
     for ax, title in ((ax0, "step time, median (s)"), (ax1, "link MB per step, each way")):
-        ax.set_xticks(range(len(rates)), [rate_label(r) for r in rates], rotation=20)
+        labels = [f"TP {r[0]}, {rate_label(r[1])}" if with_tp else rate_label(r) for r in rates]
+        ax.set_xticks(range(len(rates)), labels, rotation=20, fontsize=8 if with_tp else None)
         ax.set_title(title)
         ax.set_ylim(top=ax.get_ylim()[1] * 1.3)  # room for the legend
         ax.legend(loc="upper right", fontsize=8, framealpha=1.0)
@@ -314,6 +340,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=None, help="MLP width (default 1536)")
     p.add_argument("--depth", type=int, default=None, help="MLP layers (default 5)")
     p.add_argument("--batch", type=int, default=None, help="global batch (default 64)")
+    p.add_argument(
+        "--model-parallel",
+        default="1",
+        help="tensor-parallel sizes K, comma-separated (default 1: no tensor parallelism); "
+        "K > 1 splits the MLP over a `model` axis of K devices inside each node",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
     p.add_argument("--out-dir", default=str(DEFAULT_OUT))
     p.add_argument("--name", default=None, help="output file stem (default cluster[_quick])")
@@ -332,6 +364,24 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def parse_model_parallel(text: str, width: int) -> list[int]:
+    """The TP sizes of `--model-parallel`; raises `ValueError` naming a size that cannot be."""
+    sizes = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"{part!r} is not a positive whole number; give e.g. 1,2,4")
+        k = int(part)
+        if LOCAL_DEVICES % k:
+            raise ValueError(f"{k} does not divide the {LOCAL_DEVICES} devices of a node")
+        if width % k:
+            raise ValueError(f"{k} does not divide the MLP width {width}; choose another --width")
+        sizes.append(k)
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"{text!r} repeats a size")
+    return sizes
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -346,6 +396,11 @@ def main(argv=None) -> int:
             return 2
     if not set(configs) <= set(CONFIG_LABELS):
         print(f"--configs: {configs}; choose from {sorted(CONFIG_LABELS)}", file=sys.stderr)
+        return 2
+    try:
+        model_parallel = parse_model_parallel(args.model_parallel, args.width)
+    except ValueError as e:
+        print(f"--model-parallel: {e}", file=sys.stderr)
         return 2
     try:
         check_available()
@@ -365,6 +420,7 @@ def main(argv=None) -> int:
         "--out", str(tmp), "--rates", ",".join(rates), "--configs", ",".join(configs),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
         "--depth", str(args.depth), "--batch", str(args.batch),
+        "--model-parallel", ",".join(map(str, model_parallel)),
     ]  # fmt: skip
     coordinator = f"{topo.addresses[0]}:{COORDINATOR_PORT}"
     envs = [
@@ -401,9 +457,10 @@ def main(argv=None) -> int:
     records = []
     for i in range(2):
         records += json.loads((tmp / f"process_{i}.json").read_text())
-    rows = summarize(records, configs, rates)
+    rows = summarize(records, configs, rates, model_parallel)
+    tp = "" if model_parallel == [1] else f"tensor-parallel sizes {args.model_parallel}; "
     meta = (
-        f"MLP {args.depth} x {args.width} ({rows[0]['params'] / 1e6:.1f}M parameters), global "
+        f"MLP {args.depth} x {args.width} ({rows[0]['params'] / 1e6:.1f}M parameters), {tp}global "
         f"batch {args.batch}; 2 processes x {LOCAL_DEVICES} CPU devices on {os.cpu_count()} "
         f"cores ({platform.machine()}); median of {args.steps} steps after {args.warmup} "
         "warm-up; link shaped with tc tbf in each direction. Load average (1 min) "
