@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax.engine import TrainState
+from zeropp_jax.mesh import data_parallel_size
 
 FORMAT = "zeropp_jax.checkpoint/1"
 STATE_DIR = "state"
@@ -81,6 +82,7 @@ def _metadata(state: TrainState) -> dict[str, Any]:
             list(x.shape) for x in jax.tree_util.tree_leaves(_saved_tree(state, residuals=False))
         ],
         "error_feedback": _residual_layout(state),
+        "model_split": [[lo.model_dim, lo.model_size] for lo in state.layouts[1]],
     }
 
 
@@ -212,6 +214,44 @@ def _check_compatible(meta: dict[str, Any], target: TrainState) -> None:
         )
 
 
+def _saved_layouts(meta: dict[str, Any], target: TrainState) -> list[part.LeafLayout]:
+    """Per parameter leaf, the layout it was saved with (its `model` split and the saved
+    mesh's data-parallel size; a checkpoint without `model_split` split nothing)."""
+    dp = int(meta["mesh"].get("node", 1)) * int(meta["mesh"].get("local", 1))
+    split = meta.get("model_split") or [[None, 1]] * len(target.layouts[1])
+    out = []
+    for lo, (dim, k) in zip(target.layouts[1], split, strict=True):
+        base = part.LeafLayout(lo.shape, lo.dtype, lo.sharded, 0)
+        out.append(part.with_model_split(base, dim, int(k), dp))
+    return out
+
+
+def _leaf_layouts_by_path(
+    want: Any, target: TrainState, saved: list[part.LeafLayout]
+) -> list[tuple[part.LeafLayout, part.LeafLayout] | None]:
+    """Per leaf of `want` (the saved tree's target), `(saved layout, target layout)` of the
+    parameter it is (or mirrors, e.g. an Adam moment, matched by the end of its path),
+    when the two split it over `model` differently; else None."""
+    paths = [p for p, _, _ in _param_table(target)]
+    out: list[tuple[part.LeafLayout, part.LeafLayout] | None] = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(want)[0]:
+        key = jax.tree_util.keystr(path)
+        match = [i for i, p in enumerate(paths) if key.endswith(p)]
+        i = max(match, key=lambda i: len(paths[i]), default=None)
+        old, new = (None, None) if i is None else (saved[i], target.layouts[1][i])
+        differ = old is not None and (old.model_dim, old.model_size) != (
+            new.model_dim,
+            new.model_size,
+        )
+        out.append((old, new) if differ else None)
+    return out
+
+
+def _relayout(x: jax.Array, old: part.LeafLayout, new: part.LeafLayout) -> jax.Array:
+    """A stored leaf (or a moment shaped like it) in layout `old` -> layout `new`."""
+    return part.to_master(part.from_master(x, old, jnp.float32), new)
+
+
 def _padded_axis(saved: tuple[int, ...], target: tuple[int, ...]) -> int | None:
     """The one axis in which a saved leaf differs from the target's (its padding for
     another device count), or None when they differ otherwise."""
@@ -260,9 +300,26 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     mesh = target.mesh
     replicated = NamedSharding(mesh, part.REPLICATED)
     saved_res = meta.get("error_feedback")
+    n_dp = data_parallel_size(mesh)
+    relayouts = _leaf_layouts_by_path(want, target, _saved_layouts(meta, target))
 
-    def abstract(shape, tgt):
+    def abstract(shape, tgt, relayout):
         sharding = tgt.sharding
+        if relayout is not None:
+            # Split over `model` differently (another model_size, or none): loaded split
+            # over the data-parallel axes as saved where they divide it, else whole, then
+            # laid out again.
+            old = relayout[0]
+            if shape != old.stored_shape:
+                raise ValueError(
+                    f"checkpoint leaf of shape {shape} does not have the shape of its saved "
+                    f"layout {old.stored_shape}; the checkpoint's metadata is inconsistent."
+                )
+            spec = part.manual_spec(old)
+            axis = old.padded_axis % len(shape)
+            if shape[axis] % n_dp:
+                spec = part.REPLICATED
+            return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=NamedSharding(mesh, spec))
         if shape != tuple(tgt.shape):
             # Padded for another device count (axis 0, or the last axis of a stacked
             # leaf): load sharded if that axis divides evenly over this mesh, else
@@ -273,12 +330,13 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
                     f"checkpoint leaf of shape {shape} cannot be restored into a target leaf "
                     f"of shape {tuple(tgt.shape)}."
                 )
-            if shape[axis] % mesh.size:
+            if shape[axis] % n_dp:
                 sharding = replicated
         return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=sharding)
 
     abstract_tree = jax.tree_util.tree_unflatten(
-        want_def, [abstract(s, t) for s, t in zip(shapes, want_leaves, strict=True)]
+        want_def,
+        [abstract(*a) for a in zip(shapes, want_leaves, relayouts, strict=True)],
     )
     if saved_res is not None:
         abstract_tree["error_feedback"] = _abstract_residuals(saved_res, mesh)
@@ -287,7 +345,11 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     loaded = ckptr.restore(state_path, abstract_tree)
     ckptr.close()
 
-    def fit(x, tgt):
+    def fit(x, tgt, relayout):
+        if relayout is not None:
+            return jax.jit(_relayout, static_argnums=(1, 2), out_shardings=tgt.sharding)(
+                x, *relayout
+            )
         if x.shape == tgt.shape:
             return x
         axis = _padded_axis(tuple(x.shape), tuple(tgt.shape))
@@ -296,7 +358,11 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
         )
 
     residuals = _restored_residuals(loaded.pop("error_feedback", None), meta, target)
-    loaded = jax.tree_util.tree_map(fit, loaded, want)
+    loaded_leaves = jax.tree_util.tree_leaves(loaded)
+    loaded = jax.tree_util.tree_unflatten(
+        want_def,
+        [fit(*a) for a in zip(loaded_leaves, want_leaves, relayouts, strict=True)],
+    )
     restored = target.replace(
         step=loaded["step"],
         params=R.join(loaded["params"], residuals),
