@@ -33,10 +33,15 @@ parameters (`2 * (split / K + replicated)`):
     attention's and the MLP's row-parallel matrices), two backward (the input gradients
     of the column-parallel ones) and one more where the engine's backward loop recomputes
     the layer (the attention's, whose result the MLP reads); `2 (K-1)/K` of each per
-    device, inside the node.
+    device, inside the node. The token embedding is split by vocabulary, so the tied
+    head's logits are too: the backward pass all-gathers their gradient over `model`
+    (`(K-1)/K` of the rank's logits per device), and all-reduces the lookup's output
+    forward and the head's input gradient backward (two more activation all-reduces).
 
 So per node link TP changes nothing for the split parameters (every node still takes in
-the whole model each step, in K slices), and the ratio ZeRO-3 / ZeRO++ stays about 4.
+the whole model each step, in K slices), and the ratio ZeRO-3 / ZeRO++ stays about 4. A
+parameter left unsplit (here the position embedding, norms and row biases) is gathered by
+each of the K model ranks and so crosses the link K times.
 
 Writes `tp_study.md`, `tp_study.csv` and `tp_study.png` into the output folder (default
 `experiments/results/`).
@@ -84,11 +89,11 @@ class StepBytes:
 
 def split_params(gpt: GPTConfig) -> tuple[int, int]:
     """`(split, replicated)` parameters of the GPT under Megatron's split: the blocks'
-    matrices and the column layers' biases are split over `model`; embeddings, norms and
-    the row layers' biases are not."""
+    matrices, the column layers' biases and the token embedding (by vocabulary) are split
+    over `model`; the position embedding, norms and the row layers' biases are not."""
     d, f, layers = gpt.d_model, gpt.mlp_ratio * gpt.d_model, gpt.n_layers
-    split = layers * (3 * d * d + 3 * d + d * d + d * f + f + f * d)
-    replicated = gpt.vocab_size * d + gpt.seq_len * d + layers * (2 * d + 4 * d) + 2 * d
+    split = layers * (3 * d * d + 3 * d + d * d + d * f + f + f * d) + gpt.vocab_size * d
+    replicated = gpt.seq_len * d + layers * (2 * d + 4 * d) + 2 * d
     return split, replicated
 
 
@@ -102,6 +107,7 @@ def step_bytes(
     k: int,
     layers: int,
     activation_values: int,
+    logit_values: int = 0,
     weight_bits: int = 8,
     grad_bits: int = 4,
     block_size: int = 256,
@@ -120,6 +126,11 @@ def step_bytes(
       layers: transformer blocks (two all-reduces each way per block).
       activation_values: values of one block's activations on one data-parallel rank
         (micro-batch x sequence x width).
+      logit_values: values of the logits on one data-parallel rank (micro-batch x
+        sequence x vocabulary): their gradient, split by vocabulary, is all-gathered over
+        `model` once in the backward pass (as XLA partitions the loss), and the
+        vocabulary-split embedding adds two all-reduces of one block's activations (the
+        lookup's output forward, the tied head's input gradient backward).
       weight_bits: qwZ bits (ZeRO++).
       grad_bits: qgZ bits (ZeRO++).
       block_size: values per quantization block (one float32 scale each).
@@ -132,7 +143,8 @@ def step_bytes(
     values = split / k + replicated  # one model rank's slice
     s = 2 * values
     per = 2 * activation_values * activation_bytes * (k - 1) / k
-    tp = 0.0 if k == 1 else all_reduces_per_layer * layers * per
+    gather = logit_values * activation_bytes * (k - 1) / k
+    tp = 0.0 if k == 1 else (all_reduces_per_layer * layers + 2) * per + gather
     if engine in ("xla_fsdp", "zero3"):
         return StepBytes(3 * s * (d - 1) / d, tp, 3 * k * s * (d - 1) / d)
     if engine != "zeropp":
@@ -222,6 +234,7 @@ def measured_rows(ks: tuple[int, ...] = (1, 2, 4)) -> list[dict]:
                 k=k,
                 layers=MEASURED_GPT.n_layers,
                 activation_values=act // (2 * 4 // k),
+                logit_values=act // (2 * 4 // k) // MEASURED_GPT.d_model * MEASURED_GPT.vocab_size,
                 activation_bytes=4,  # XLA:CPU's TP all-reduces are float32
             )
             rows.append(
@@ -258,6 +271,7 @@ def modelled_rows(ks: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[dict]:
                 k=k,
                 layers=gpt.n_layers,
                 activation_values=gpt.seq_len * gpt.d_model,
+                logit_values=gpt.seq_len * gpt.vocab_size,
             )
             rows.append(
                 {

@@ -308,17 +308,21 @@ def test_ledger_tensor_parallel_collectives_stay_on_model_inside_a_node():
     state = zpp.TrainState.create(
         apply_fn=GPT(cfg).apply, params=init_fn(cfg, 0), tx=optax.adam(1e-3), mesh=mesh
     )
-    b = np.zeros((8, cfg.seq_len + 1), np.int32)
+    b = np.zeros((16, cfg.seq_len + 1), np.int32)  # 4 sequences per data-parallel rank
     step = zpp.shard(gpt_step)
     # As JAX wrote it: the ZeRO collectives, over the data-parallel axes only.
     lowered = zpp.comm_ledger(step, state, b)
     assert lowered.records and all("model" not in r.axes for r in lowered.records)
     # As XLA runs it: the tensor-parallel collectives it inserted are over `model` alone,
-    # never across nodes; and the weights' gathers still move one slice per device.
+    # never across nodes, and move activations, never a weight: all-reduces, and one
+    # all-gather of the vocabulary-split logits' gradient (4 x 16 x 256 float32 per
+    # data-parallel rank; the embedding, 256 x 32, would be half that).
     compiled = zpp.comm_ledger(step, state, b, compiled=True)
     tp = [r for r in compiled.records if "model" in r.axes]
     assert tp and all(r.axes == ("model",) and not r.cross_node for r in tp)
-    assert {r.op for r in tp} == {"all-reduce"}
+    logits = 4 * cfg.seq_len * cfg.vocab_size * 4
+    gathers = [r for r in tp if r.op != "all-reduce"]
+    assert [(r.op, r.out_bytes, r.phase) for r in gathers] == [("all-gather", logits, "backward")]
     zero = [r for r in compiled.records if r.bytes_sent and "model" not in r.axes]
     assert {a for r in zero for a in r.axes} == {"node", "local"}
 

@@ -31,6 +31,7 @@ def test_the_byte_model_is_what_the_ledger_counts(engine, k):
         k=k,
         layers=GPT.n_layers,
         activation_values=BATCH // (8 // k) * GPT.seq_len * GPT.d_model,
+        logit_values=BATCH // (8 // k) * GPT.seq_len * GPT.vocab_size,
         activation_bytes=4,  # XLA:CPU's tensor-parallel all-reduces are float32
     )
     assert got["params"] == split + replicated

@@ -48,8 +48,8 @@ class GPTConfig:
         axis (Megatron-style, `nn.with_partitioning`): the attention's `qkv` and the MLP's
         `fc` split by column (whole heads per rank: `qkv`'s columns are ordered head by
         head, each head's q, k, v together), their output matrices `proj` and `out` by
-        row. Without a `model` axis of size > 1 the annotations change nothing but that
-        column order.
+        row, and the token embedding (so the tied head) by vocabulary. Without a `model`
+        axis of size > 1 the annotations change nothing but that column order.
     """
 
     vocab_size: int = 256
@@ -85,6 +85,10 @@ COLUMN = ((None, "model"), ("model",))
 """`nn.with_partitioning` names of a column-parallel Dense: kernel, bias."""
 ROW = (("model", None), None)
 """`nn.with_partitioning` names of a row-parallel Dense: kernel, bias (replicated)."""
+
+
+VOCAB_SPLIT = ("model", None)
+"""`nn.with_partitioning` names of the token embedding (and tied head): split by vocabulary."""
 
 
 def _dense(
@@ -182,9 +186,10 @@ class GPT(nn.Module):
         seq = tokens.shape[-1]
         if seq > cfg.seq_len:
             raise ValueError(f"GPT: sequence length {seq} exceeds GPTConfig.seq_len={cfg.seq_len}.")
-        embed = nn.Embed(
-            cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(0.02), name="wte"
-        )
+        init = nn.initializers.normal(0.02)
+        if cfg.model_parallel:  # vocabulary-parallel: each model rank holds a range of rows
+            init = nn.with_partitioning(init, VOCAB_SPLIT)
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="wte")
         pos = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
         x = embed(tokens) + pos[:seq].astype(embed.embedding.dtype)
         if cfg.scan:
