@@ -196,9 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=1,
         metavar="K",
-        help="tensor parallelism: split the blocks Megatron-style over a 'model' axis of K "
+        help="tensor parallelism: split the GPT Megatron-style over a 'model' axis of K "
         "devices inside each node (attention heads and the MLP's first matrix by column, "
-        "their output matrices by row); --local then counts data-parallel ranks per node (1)",
+        "their output matrices by row, the token embedding by vocabulary); --local then "
+        "counts data-parallel ranks per node (1)",
     )
     g.add_argument(
         "--weight-bits",
