@@ -11,10 +11,12 @@ sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, voca
   secondary     hpZ: every sharded leaf's secondary shard, held from the forward to the
                 backward: (weight bits / 8) Psi_pad / local, plus one float32 scale per
                 quantization block (0 without hpZ)
-  whole leaves  the leaves outside the blocks (embeddings, final norm), gathered whole in
-                the compute dtype, and two float32 gradients of them, held through the
-                backward (the tied embedding's two uses: the head's, made first, and the
-                lookup's, which starts as zeros): (c + 8) Psi_rest
+  whole leaves  the leaves outside the blocks (embeddings, final norm): their two float32
+                gradients, held through the backward (the tied embedding's two uses:
+                the head's, made first, and the lookup's, which starts as zeros that XLA
+                allocates early), 8 Psi_rest. The weight itself is not held: each use's
+                backward gathers it again and drops it (the forward holds it from its
+                first use to its last, before the backward's buffers exist)
   whole sum     their sum, before it is reduced, 4 Psi_rest: made at the end of the
                 backward, once the blocks and the head have freed their buffers
   saved         what the backward keeps of the forward: remat "full", the L block inputs
@@ -179,7 +181,7 @@ def estimate(
         block, whole = inner + softmax, c * padded + 2 * FLOAT * rest
     else:
         block = (c * (2 if prefetch else 1) + FLOAT) * block_params + inner + softmax
-        whole = (c + 2 * FLOAT) * rest
+        whole = 2 * FLOAT * rest
     return Estimate(
         state=state_bytes(state) + FLOAT * batch * (seq + 1),
         gradients=FLOAT * padded // n,
