@@ -143,8 +143,10 @@ def step_bytes(
     values = split / k + replicated  # one model rank's slice
     s = 2 * values
     per = 2 * activation_values * activation_bytes * (k - 1) / k
-    gather = logit_values * activation_bytes * (k - 1) / k
-    tp = 0.0 if k == 1 else (all_reduces_per_layer * layers + 2) * per + gather
+    # The vocabulary-split head (when there are logits to count): their gradient's
+    # all-gather, and the lookup's and the head's two activation all-reduces.
+    embedding = logit_values * activation_bytes * (k - 1) / k + 2 * per if logit_values else 0.0
+    tp = 0.0 if k == 1 else all_reduces_per_layer * layers * per + embedding
     if engine in ("xla_fsdp", "zero3"):
         return StepBytes(3 * s * (d - 1) / d, tp, 3 * k * s * (d - 1) / d)
     if engine != "zeropp":
@@ -217,8 +219,8 @@ def measure(engine: str, k: int, gpt: GPTConfig | None = None, batch: int | None
 
 
 def measured_rows(ks: tuple[int, ...] = (1, 2, 4)) -> list[dict]:
-    split, replicated = split_params(MEASURED_GPT)
-    act = MEASURED_BATCH * MEASURED_GPT.seq_len * MEASURED_GPT.d_model
+    gpt = MEASURED_GPT
+    split, replicated = split_params(gpt)
     rows = []
     for k in ks:
         for engine in ENGINES:
@@ -232,9 +234,9 @@ def measured_rows(ks: tuple[int, ...] = (1, 2, 4)) -> list[dict]:
                 nodes=2,
                 per_node=4,
                 k=k,
-                layers=MEASURED_GPT.n_layers,
-                activation_values=act // (2 * 4 // k),
-                logit_values=act // (2 * 4 // k) // MEASURED_GPT.d_model * MEASURED_GPT.vocab_size,
+                layers=gpt.n_layers,
+                activation_values=MEASURED_BATCH // (8 // k) * gpt.seq_len * gpt.d_model,
+                logit_values=MEASURED_BATCH // (8 // k) * gpt.seq_len * gpt.vocab_size,
                 activation_bytes=4,  # XLA:CPU's TP all-reduces are float32
             )
             rows.append(
