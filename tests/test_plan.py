@@ -111,9 +111,13 @@ def test_estimate_terms():
     assert z3.secondary == 0
     # int8 values plus a float32 scale per 256 values, over the 4 devices of a node
     assert zpp_.secondary == (padded + 4 * padded // 256) // 4
-    assert zpp_.gradients == 4 * padded // 8 and zpp_.update == 3 * zpp_.gradients
+    assert zpp_.gradients == 4 * padded // 8 and zpp_.update == 2 * zpp_.gradients
     assert z3.saved == gpt.n_layers * 2 * 2048 * gpt.d_model
-    assert z3.head == 8 * 2048 * gpt.vocab_size
+    assert z3.head == 12 * 2048 * gpt.vocab_size // gpt.loss_chunks  # pieces of the vocabulary
+    whole = dataclasses.replace(gpt, loss_chunks=1, attn_chunk=0)
+    assert plan.estimate(whole, state=state, layouts=state.layouts[1], **kw).head == (
+        8 * 2048 * gpt.vocab_size
+    )
     assert z3.total == z3.state + max(z3.backward, z3.update)
 
 
@@ -126,6 +130,10 @@ def test_presets_and_their_parameter_counts():
     gpt = gpt_config(args)
     assert (gpt.d_model, gpt.n_layers, gpt.n_heads, gpt.seq_len) == (1024, 24, 16, 128)
     assert gpt.scan and gpt.remat == "none"
+    assert (gpt.attn_chunk, gpt.loss_chunks) == (256, 8)  # 128 tokens: attention whole
+    big = gpt_config(parse_args(["--model", "1.3b"]))
+    assert (big.attn_chunk, big.loss_chunks) == (256, 8) and big.vocab_size % 8 == 0
+    assert gpt_config(parse_args(["--model", "tiny"])).loss_chunks == 1
     assert gpt_config(parse_args(["--no-scan-layers"])).scan is False
 
 

@@ -1,14 +1,25 @@
 """The trainer: model, data pipeline and the `zeropp-train` CLI."""
 
+import dataclasses
+import functools
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from zeropp_jax.train import data
-from zeropp_jax.train.model import GPT, GPTConfig, cross_entropy, init_params
+from zeropp_jax.train.model import (
+    GPT,
+    GPTConfig,
+    cross_entropy,
+    embed_lookup,
+    head_cross_entropy,
+    init_params,
+    loss_fn,
+)
 
 TINY = GPTConfig(seq_len=16, d_model=32, n_layers=1, n_heads=4)
 apply = jax.jit(GPT(TINY).apply, static_argnames="train")
@@ -42,6 +53,95 @@ def test_model_is_causal():
 def test_model_config_validates():
     with pytest.raises(ValueError, match="n_heads=3 does not divide d_model=32"):
         GPTConfig(d_model=32, n_heads=3)
+    with pytest.raises(ValueError, match="attn_chunk=-1; expected an int >= 0"):
+        GPTConfig(attn_chunk=-1)
+    with pytest.raises(ValueError, match="loss_chunks=3 does not divide vocab_size=256"):
+        GPTConfig(loss_chunks=3)
+    chunked = dataclasses.replace(TINY, attn_chunk=6)
+    with pytest.raises(ValueError, match="chunk=6 does not divide the sequence length 16"):
+        GPT(chunked).apply({"params": init_params(TINY, 0)}, jnp.zeros((1, 16), jnp.int32))
+
+
+CHUNKS_BASE = GPTConfig(
+    vocab_size=96, seq_len=32, d_model=32, n_layers=2, n_heads=4, scan=True, remat="full"
+)
+
+
+def _loss_and_grads(cfg, params, batch):
+    return jax.jit(jax.value_and_grad(lambda p: loss_fn(GPT(cfg).apply, p, batch)))(params)
+
+
+@pytest.mark.parametrize(
+    "chunks", [dict(attn_chunk=8), dict(loss_chunks=6), dict(attn_chunk=16, loss_chunks=4)]
+)
+def test_chunks_keep_the_loss_and_the_gradient(chunks):
+    """Attention in query chunks and the head and loss in vocabulary pieces compute what
+    the whole sequence and the whole vocabulary compute, to float summation order."""
+    params = init_params(CHUNKS_BASE, 0)
+    batch = jax.random.randint(jax.random.key(1), (2, 33), 0, 96)
+    want_loss, want = _loss_and_grads(CHUNKS_BASE, params, batch)
+    loss, got = _loss_and_grads(dataclasses.replace(CHUNKS_BASE, **chunks), params, batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+
+
+def test_chunks_shrink_the_compiled_step():
+    """The point of the chunks: the step's temporaries no longer hold the (seq x seq)
+    scores or the (seq x vocab) logits."""
+    base = dataclasses.replace(CHUNKS_BASE, vocab_size=2048, seq_len=256)
+    params = init_params(base, 0)
+    batch = jnp.zeros((2, 257), jnp.int32)
+
+    def temp(cfg):
+        step = jax.jit(jax.grad(lambda p: loss_fn(GPT(cfg).apply, p, batch)))
+        return step.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    whole = temp(base)
+    assert temp(dataclasses.replace(base, attn_chunk=32)) < whole
+    assert temp(dataclasses.replace(base, loss_chunks=8)) < whole
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_embed_lookup_is_take_with_its_gradient(dtype):
+    table = jax.random.normal(jax.random.key(0), (16, 8), dtype)
+    tokens = jnp.array([[3, 3, 0, 15], [7, 3, 0, 1]])
+    weights = jax.random.normal(jax.random.key(1), (2, 4, 8), dtype)
+
+    def f(lookup, t):
+        return (lookup(t, tokens).astype(jnp.float32) * weights).sum()
+
+    take = functools.partial(jnp.take, axis=0)
+    np.testing.assert_array_equal(embed_lookup(table, tokens), take(table, tokens))
+    np.testing.assert_array_equal(
+        jax.jit(jax.grad(functools.partial(f, embed_lookup)))(table),
+        jax.jit(jax.grad(functools.partial(f, take)))(table),
+    )
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 5])
+def test_head_cross_entropy_is_optax_s_per_position_loss(pieces):
+    """Per-position losses and both gradients against optax on the whole logits, with
+    unequal cotangents per position (targets in every piece)."""
+    x = jax.random.normal(jax.random.key(0), (2, 6, 8))
+    table = jax.random.normal(jax.random.key(1), (10, 8))
+    targets = jnp.array([[0, 1, 2, 3, 4, 9], [5, 6, 7, 8, 9, 0]])
+    weights = jax.random.uniform(jax.random.key(2), (2, 6))
+
+    def whole(x, table):
+        logits = jnp.einsum("bsd,vd->bsv", x, table)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+    def chunked(x, table):
+        return head_cross_entropy(x, table, targets, pieces)
+
+    np.testing.assert_allclose(chunked(x, table), whole(x, table), rtol=1e-6)
+    for a, b in zip(
+        jax.grad(lambda *a: (chunked(*a) * weights).sum(), argnums=(0, 1))(x, table),
+        jax.grad(lambda *a: (whole(*a) * weights).sum(), argnums=(0, 1))(x, table),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 # --- data ------------------------------------------------------------------------------
@@ -151,6 +251,8 @@ def _metrics(out):
         (["--batch", "7"], "--batch 7 is not divisible by the 8 data-parallel devices"),
         (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
         (["--grad-block-size", "7"], "error: --grad-block-size 7: ZeroPPConfig.grad_block_size"),
+        (["--attn-chunk", "5"], "--attn-chunk 5 does not divide --seq-len 16"),
+        (["--loss-chunks", "3"], "--loss-chunks 3 does not divide the vocabulary (256 tokens)"),
     ],
 )
 def test_cli_bad_flags_give_one_line_and_exit_2(flags, message, capsys, tmp_path):

@@ -304,7 +304,7 @@ def _at_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], ctx: Con
 
     def use_bwd(saved, cts):
         pieces, wires, res, acts, fixed, tie = saved
-        pieces, wires = dataflow.tie(cts, (pieces, wires))
+        pieces, wires = dataflow.tie(cts, dataflow.tie(acts, (pieces, wires)))
         _, pull = jax.vjp(run_flat, acts, flats(pieces, wires, fixed, True))
         d_acts, d_flat = pull(cts)
         d_pieces, d_res = [], []
@@ -376,7 +376,7 @@ def _at_shared_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], c
 
     def use_bwd(saved, cts):
         acts, wires, pieces, fixed = saved
-        pieces, wires = dataflow.tie(cts, (pieces, wires))
+        pieces, wires = dataflow.tie(cts, dataflow.tie(acts, (pieces, wires)))
         again = [
             g.gather(leaf, p, w, f, True)
             for leaf, p, w, f in zip(leaves, pieces, wires, fixed, strict=True)

@@ -80,22 +80,19 @@ def train_step(state, batch):
     """One optimizer step: ordinary Flax code written for a flax TrainState."""
     import jax
 
-    from zeropp_jax.train.model import cross_entropy
+    from zeropp_jax.train.model import loss_fn
 
-    def loss(params):
-        logits = state.apply_fn({"params": params}, batch[:, :-1], train=True)
-        return cross_entropy(logits, batch[:, 1:])
-
-    value, grads = jax.value_and_grad(loss)(state.params)
+    value, grads = jax.value_and_grad(
+        lambda params: loss_fn(state.apply_fn, params, batch, train=True)
+    )(state.params)
     return state.apply_gradients(grads=grads), {"loss": value}
 
 
 def eval_loss(state, batch):
     """Validation loss of one batch (no update)."""
-    from zeropp_jax.train.model import cross_entropy
+    from zeropp_jax.train.model import loss_fn
 
-    logits = state.apply_fn({"params": state.params}, batch[:, :-1])
-    return cross_entropy(logits, batch[:, 1:])
+    return loss_fn(state.apply_fn, state.params, batch)
 
 
 def _fingerprint(rows) -> int:

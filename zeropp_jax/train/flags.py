@@ -140,6 +140,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the backward keeps of each block: none (everything, no recomputation), "
         "matmuls (the matmul outputs) or full (only the block's input) (none)",
     )
+    g.add_argument(
+        "--attn-chunk",
+        type=_non_negative,
+        default=None,
+        help="queries per attention chunk, each recomputed in the backward so that one "
+        "chunk's scores are live at a time; 0 (or at least --seq-len): the whole sequence "
+        "(tiny: 0, others 256)",
+    )
+    g.add_argument(
+        "--loss-chunks",
+        type=_positive,
+        default=None,
+        help="vocabulary pieces the output head and loss run in, never holding the whole "
+        "logits; must divide the vocabulary (tiny: 1, others 8)",
+    )
 
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=_positive, default=200, help="optimizer steps (200)")
@@ -405,10 +420,20 @@ def _resolve_model(args: argparse.Namespace) -> None:
     from zeropp_jax.train.model import PRESETS
 
     preset = PRESETS[args.model]
-    for name in ("d_model", "n_layers", "n_heads", "seq_len"):
+    for name in ("d_model", "n_layers", "n_heads", "seq_len", "attn_chunk", "loss_chunks"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     args.vocab_size = preset.vocab_size
+    if 0 < args.attn_chunk < args.seq_len and args.seq_len % args.attn_chunk:
+        raise UsageError(
+            f"--attn-chunk {args.attn_chunk} does not divide --seq-len {args.seq_len}; pick "
+            "a divisor of the sequence length, or 0 for no chunks"
+        )
+    if args.vocab_size % args.loss_chunks:
+        raise UsageError(
+            f"--loss-chunks {args.loss_chunks} does not divide the vocabulary "
+            f"({args.vocab_size} tokens); pick a divisor of it, or 1 for no chunks"
+        )
 
 
 def gpt_config(args: argparse.Namespace):
@@ -423,6 +448,8 @@ def gpt_config(args: argparse.Namespace):
         n_heads=args.n_heads,
         scan=args.scan_layers,
         remat=args.remat,
+        attn_chunk=args.attn_chunk,
+        loss_chunks=args.loss_chunks,
         model_parallel=args.model_parallel > 1,
     )
 

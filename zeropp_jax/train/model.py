@@ -14,6 +14,7 @@ float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -21,6 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+from zeropp_jax import dataflow
 
 REMAT = ("none", "matmuls", "full")
 """The values of `GPTConfig.remat`."""
@@ -44,6 +47,18 @@ class GPTConfig:
         block): "none" keeps everything (no rematerialisation), "matmuls" keeps the matmul
         outputs and recomputes the rest (`jax.checkpoint_policies.dots_saveable`), "full"
         keeps only the block's input and recomputes the block.
+      attn_chunk: queries per attention chunk (0, or at least the sequence length: the
+        whole sequence at once). Attention then runs as a loop over query chunks, each
+        recomputed in the backward, so that one chunk's (chunk x seq) scores and
+        probabilities are live at a time instead of the whole (seq x seq); it must divide
+        the sequence length the model is called with.
+        Each query's scores, softmax and output are computed as without chunks.
+      loss_chunks: pieces of the vocabulary the output head and the loss run in when the
+        model is called with `targets` (1: all at once). The head then never holds the
+        (batch, seq, vocab) logits: a loop over vocabulary pieces (piece j holds the rows
+        j, j + n, j + 2n, ..., so that a vocabulary split over `model` splits every piece
+        evenly) keeps a running log-sum-exp, and the backward recomputes each piece's
+        logits. It must divide `vocab_size`.
       model_parallel: annotate the blocks for tensor parallelism on the mesh's `model`
         axis (Megatron-style, `nn.with_partitioning`): the attention's `qkv` and the MLP's
         `fc` split by column (whole heads per rank: `qkv`'s columns are ordered head by
@@ -60,6 +75,8 @@ class GPTConfig:
     mlp_ratio: int = 4
     scan: bool = False
     remat: str = "none"
+    attn_chunk: int = 0
+    loss_chunks: int = 1
     model_parallel: bool = False
 
     def __post_init__(self) -> None:
@@ -74,6 +91,19 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name}={value!r}; expected a positive int.")
+        if isinstance(self.attn_chunk, bool) or not isinstance(self.attn_chunk, int):
+            raise ValueError(f"GPTConfig.attn_chunk={self.attn_chunk!r}; expected an int >= 0.")
+        if self.attn_chunk < 0:
+            raise ValueError(
+                f"GPTConfig.attn_chunk={self.attn_chunk}; expected an int >= 0 (0: no chunks)."
+            )
+        if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int):
+            raise ValueError(f"GPTConfig.loss_chunks={self.loss_chunks!r}; expected an int >= 1.")
+        if self.loss_chunks < 1 or self.vocab_size % self.loss_chunks:
+            raise ValueError(
+                f"GPTConfig.loss_chunks={self.loss_chunks} does not divide "
+                f"vocab_size={self.vocab_size}; pick a divisor of the vocabulary (1: no chunks)."
+            )
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig: n_heads={self.n_heads} does not divide d_model={self.d_model}; "
@@ -108,6 +138,47 @@ def _dense(
     return nn.Dense(features, kernel_init=kernel_init, bias_init=bias_init, name=name)
 
 
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array | int) -> jax.Array:
+    """Causal attention of the queries at positions `start`, `start + 1`, ... (q: batch,
+    rows, heads, head_dim) to all keys (k, v: batch, seq, heads, head_dim); float32
+    scores and softmax, probabilities in `v`'s dtype."""
+    rows, seq = q.shape[1], k.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
+    causal = jnp.arange(seq)[None, :] <= (start + jnp.arange(rows))[:, None]
+    scores = scores + jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = 0) -> jax.Array:
+    """Causal multi-head attention, position t seeing positions <= t.
+
+    Args:
+      q, k, v: (batch, seq, heads, head_dim), per shard.
+      chunk: queries per chunk; 0 (or >= seq) attends all queries at once. Otherwise a
+        `lax.scan` over `seq // chunk` query chunks, each under `jax.checkpoint`, so the
+        forward and the backward hold one chunk's (batch, heads, chunk, seq) scores at a
+        time. Must divide seq.
+
+    Returns:
+      (batch, seq, heads, head_dim) in `v`'s dtype.
+    """
+    batch, seq, heads, head_dim = q.shape
+    if not chunk or chunk >= seq:
+        return _attend(q, k, v, 0)
+    if seq % chunk:
+        raise ValueError(
+            f"causal_attention: chunk={chunk} does not divide the sequence length {seq}; "
+            "set GPTConfig.attn_chunk (zeropp-train --attn-chunk) to a divisor of it, or 0."
+        )
+    n = seq // chunk
+    pieces = q.reshape(batch, n, chunk, heads, head_dim).swapaxes(0, 1)
+    attend = jax.checkpoint(lambda q_c, start: _attend(q_c, k, v, start))
+    _, out = jax.lax.scan(lambda _, xs: (None, attend(*xs)), None, (pieces, jnp.arange(n) * chunk))
+    return out.swapaxes(0, 1).reshape(batch, seq, heads, head_dim)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t sees positions <= t."""
 
@@ -124,12 +195,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v = jnp.unstack(qkv.reshape(batch, seq, cfg.n_heads, 3, head_dim), axis=3)
         else:
             q, k, v = jnp.split(qkv.reshape(batch, seq, 3 * cfg.n_heads, head_dim), 3, axis=2)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(head_dim)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, width)
+        out = causal_attention(q, k, v, cfg.attn_chunk).reshape(batch, seq, width)
         return _dense(width, 0.02 / math.sqrt(2 * cfg.n_layers), "proj", ROW if tp else None)(out)
 
 
@@ -169,18 +235,165 @@ def _remat(block: type[nn.Module], remat: str, *, scanned: bool) -> type[nn.Modu
     return nn.remat(block, policy=policy, prevent_cse=not scanned)
 
 
+def _as_bits(table: jax.Array) -> jax.Array:
+    """The table's bits as unsigned integers of its width, for the head's loops to slice.
+
+    XLA's CPU compiler computes bfloat16 dots in float32 and moves the widening convert
+    from a loop's slice onto the whole loop-invariant table, holding a float32 copy of it
+    (twice the table) through the loop; a convert cannot move through a bitcast, so the
+    loops carry the bits and each piece is bitcast back after slicing. Free elsewhere."""
+    bits = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[table.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(table, bits)
+
+
+def _piece(bits: jax.Array, j: jax.Array, n: int, dtype) -> jax.Array:
+    """Rows j, j + n, j + 2n, ... of a (vocab, d) table held as `_as_bits`, in `dtype`:
+    the j-th of n vocabulary pieces."""
+    piece = jax.lax.dynamic_index_in_dim(
+        bits.reshape(bits.shape[0] // n, n, bits.shape[1]), j, axis=1, keepdims=False
+    )
+    return jax.lax.bitcast_convert_type(piece, dtype)
+
+
+def _piece_logits(x: jax.Array, bits: jax.Array, j: jax.Array, n: int, dtype) -> jax.Array:
+    """Float32 logits (batch, seq, vocab / n) of vocabulary piece j (`_piece`)."""
+    piece = _piece(bits, j, n, dtype)
+    return jnp.einsum("bsd,vd->bsv", x, piece, preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Rows `tokens` of `table`: `jnp.take(table, tokens, axis=0)`, as `nn.Embed` computes
+    it, with the same gradient (a scatter-add of the cotangent into zeros of the table's
+    shape and dtype).
+
+    The backward's zeros wait for the cotangent (`zeropp_jax.dataflow.tie`): without that
+    XLA allocates them, a whole (vocab, d) buffer, at the start of the backward and holds
+    them through every block's backward until the lookup's gradient is finally added in.
+
+    Args:
+      table: (vocab, d) embedding, per shard as the model sees it.
+      tokens: integer ids of any shape.
+
+    Returns:
+      tokens.shape + (d,), in the table's dtype.
+    """
+    return jnp.take(table, tokens, axis=0)
+
+
+def _lookup_fwd(table, tokens):
+    return embed_lookup(table, tokens), (jnp.zeros_like(table, shape=(0,)), table.shape, tokens)
+
+
+def _lookup_bwd(residuals, g):
+    like, shape, tokens = residuals
+    zeros = dataflow.tie(g, jnp.zeros(shape, like.dtype) + jnp.zeros_like(like, shape=()))
+    return zeros.at[tokens].add(g.astype(like.dtype)), None
+
+
+embed_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def _zeros(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.Array:
+    """Zeros of `shape` whose type varies over the same manual mesh axes as the arrays
+    `like` (inside `shard_map`, a loop's carry must keep its type through the body)."""
+    z = jnp.zeros(shape, dtype)
+    for ref in like:
+        z = z + jnp.zeros_like(ref, shape=(), dtype=dtype)
+    return z
+
+
+def _head_forward(x, table, targets, n):
+    """(per-position losses, their log-sum-exp): a loop over the n vocabulary pieces with
+    a running maximum and sum of exponentials, picking each target's logit in its piece."""
+    batch, seq = targets.shape
+    in_piece, index = targets % n, targets // n
+    bits = _as_bits(table)
+
+    def body(carry, j):
+        top, total, picked = carry
+        logits = _piece_logits(x, bits, j, n, table.dtype)
+        new_top = jnp.maximum(top, logits.max(axis=-1))
+        total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[..., None]).sum(-1)
+        mine = jnp.take_along_axis(logits, index[..., None], axis=-1)[..., 0]
+        return (new_top, total, jnp.where(in_piece == j, mine, picked)), None
+
+    zeros = _zeros((batch, seq), jnp.float32, x, table, targets)
+    start = (zeros - jnp.inf, zeros, zeros)
+    (top, total, picked), _ = jax.lax.scan(body, start, jnp.arange(n))
+    lse = top + jnp.log(total)
+    return lse - picked, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def head_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, n: int) -> jax.Array:
+    """Per-position cross-entropy (nats, float32) of the tied output head `x @ table.T`,
+    never holding the (batch, seq, vocab) logits.
+
+    Args:
+      x: (batch, seq, d) final hidden states, per shard.
+      table: (vocab, d) output embedding, in the compute dtype.
+      targets: (batch, seq) integer ids.
+      n: vocabulary pieces; must divide vocab. Piece j holds rows j, j + n, j + 2n, ...
+
+    Returns:
+      (batch, seq) float32 losses. The forward keeps only the log-sum-exp per position;
+      the backward recomputes each piece's logits, adds its share of the input's gradient
+      into a float32 sum and writes its rows of the table's gradient.
+    """
+    return _head_forward(x, table, targets, n)[0]
+
+
+def _head_fwd(x, table, targets, n):
+    losses, lse = _head_forward(x, table, targets, n)
+    return losses, (x, table, targets, lse)
+
+
+def _head_bwd(n, residuals, g):
+    x, table, targets, lse = residuals
+    vocab, d = table.shape
+    in_piece, index = targets % n, targets // n
+    bits = _as_bits(table)
+
+    def body(carry, j):
+        dx, dtable = carry
+        piece = _piece(bits, j, n, table.dtype)
+        logits = jnp.einsum("bsd,vd->bsv", x, piece, preferred_element_type=jnp.float32)
+        probs = jnp.exp(logits - lse[..., None])
+        hit = (in_piece == j)[..., None] & (jnp.arange(vocab // n) == index[..., None])
+        dlogits = (probs - hit) * g[..., None]
+        dx = dx + jnp.einsum("bsv,vd->bsd", dlogits, piece.astype(jnp.float32))
+        rows = jnp.einsum("bsv,bsd->vd", dlogits, x.astype(jnp.float32)).astype(table.dtype)
+        dtable = jax.lax.dynamic_update_index_in_dim(dtable, rows, j, axis=1)
+        return (dx, dtable), None
+
+    start = (
+        _zeros(x.shape, jnp.float32, x, table, targets, g),
+        dataflow.tie(lse, _zeros((vocab // n, n, d), table.dtype, x, table, targets, g)),
+    )
+    (dx, dtable), _ = jax.lax.scan(body, start, jnp.arange(n))
+    return dx.astype(x.dtype), dtable.reshape(vocab, d), None
+
+
+head_cross_entropy.defvjp(_head_fwd, _head_bwd)
+
+
 class GPT(nn.Module):
     """Decoder-only GPT with a tied output head.
 
     Call: `tokens` int array (batch, seq) with seq <= `config.seq_len` -> logits float32
-    (batch, seq, vocab_size). `train` is accepted so training code reads like ordinary
-    Flax code; the model has no dropout, so it changes nothing.
+    (batch, seq, vocab_size); with `targets` (batch, seq) ids, the per-position
+    cross-entropy float32 (batch, seq) instead, computed in `config.loss_chunks` vocabulary
+    pieces (`head_cross_entropy`) without the logits. `train` is accepted so training code
+    reads like ordinary Flax code; the model has no dropout, so it changes nothing.
     """
 
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, *, targets: jax.Array | None = None, train: bool = False
+    ) -> jax.Array:
         del train
         cfg = self.config
         seq = tokens.shape[-1]
@@ -191,7 +404,7 @@ class GPT(nn.Module):
             init = nn.with_partitioning(init, VOCAB_SPLIT)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="wte")
         pos = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
-        x = embed(tokens) + pos[:seq].astype(embed.embedding.dtype)
+        x = embed_lookup(embed.embedding, tokens) + pos[:seq].astype(embed.embedding.dtype)
         if cfg.scan:
             blocks = nn.scan(
                 _remat(ScannedBlock, cfg.remat, scanned=True),
@@ -206,27 +419,35 @@ class GPT(nn.Module):
             for i in range(cfg.n_layers):
                 x = block(cfg, name=f"block_{i}")(x)
         x = nn.LayerNorm(name="ln_f")(x)
-        return jnp.einsum(
-            "bsd,vd->bsv", x, embed.embedding.astype(x.dtype), preferred_element_type=jnp.float32
-        )
+        table = embed.embedding.astype(x.dtype)
+        if targets is not None and cfg.loss_chunks > 1:
+            return head_cross_entropy(x, table, targets.astype(jnp.int32), cfg.loss_chunks)
+        logits = jnp.einsum("bsd,vd->bsv", x, table, preferred_element_type=jnp.float32)
+        if targets is None:
+            return logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets.astype(jnp.int32))
 
 
 VOCAB = 50304
 """The presets' vocabulary: GPT-2's 50257 tokens padded to a multiple of 128 (as nanoGPT
 does), so that the embedding divides over a mesh along its vocabulary axis."""
 
+_LARGE = dict(vocab_size=VOCAB, seq_len=2048, attn_chunk=256, loss_chunks=8)
+
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(),
-    "125m": GPTConfig(vocab_size=VOCAB, seq_len=2048, d_model=768, n_layers=12, n_heads=12),
-    "350m": GPTConfig(vocab_size=VOCAB, seq_len=2048, d_model=1024, n_layers=24, n_heads=16),
-    "1.3b": GPTConfig(vocab_size=VOCAB, seq_len=2048, d_model=2048, n_layers=24, n_heads=16),
-    "6.7b": GPTConfig(vocab_size=VOCAB, seq_len=2048, d_model=4096, n_layers=32, n_heads=32),
+    "125m": GPTConfig(**_LARGE, d_model=768, n_layers=12, n_heads=12),
+    "350m": GPTConfig(**_LARGE, d_model=1024, n_layers=24, n_heads=16),
+    "1.3b": GPTConfig(**_LARGE, d_model=2048, n_layers=24, n_heads=16),
+    "6.7b": GPTConfig(**_LARGE, d_model=4096, n_layers=32, n_heads=32),
 }
 """The trainer's model sizes (`zeropp-train --model`). `tiny` is the byte-level default;
 the others have the widths, depths and 2048-token context of GPT-3's models of those
 names (Brown et al. 2020, table 2.1; 1.3b with 16 heads of 128 rather than 24) and GPT-2's
 vocabulary (`VOCAB`), so that their parameter counts are the named ones (the byte-level
-data uses token ids 0-255 of it). The widths and depths are those before `scan` and
+data uses token ids 0-255 of it), attention in chunks of 256 queries and the head and loss
+in 8 vocabulary pieces (6288 rows each), so that neither the (seq x seq) scores nor the
+(seq x vocab) logits are held whole. The widths and depths are those before `scan` and
 `remat`, which the trainer sets from its own flags."""
 
 
@@ -254,10 +475,10 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def loss_fn(apply_fn, params, batch: jax.Array, *, train: bool = False) -> jax.Array:
-    """Next-token loss of a (batch, seq_len + 1) token array: inputs are `batch[:, :-1]`,
-    targets `batch[:, 1:]`."""
-    logits = apply_fn({"params": params}, batch[:, :-1], train=train)
-    return cross_entropy(logits, batch[:, 1:])
+    """Mean next-token loss (float32 nats) of a (batch, seq_len + 1) token array: inputs
+    are `batch[:, :-1]`, targets `batch[:, 1:]`; the model computes the per-position
+    losses itself (`GPT(targets=...)`), in `GPTConfig.loss_chunks` vocabulary pieces."""
+    return apply_fn({"params": params}, batch[:, :-1], targets=batch[:, 1:], train=train).mean()
 
 
 def init_fn(config: GPTConfig, seed: int) -> Callable[[], dict]:

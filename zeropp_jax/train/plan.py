@@ -11,28 +11,33 @@ sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, voca
   secondary     hpZ: every sharded leaf's secondary shard, held from the forward to the
                 backward: (weight bits / 8) Psi_pad / local, plus one float32 scale per
                 quantization block (0 without hpZ)
-  whole leaves  the leaves outside the blocks (embeddings, final norm): their two float32
-                gradients, held through the backward (the tied embedding's two uses:
-                the head's, made first, and the lookup's, which starts as zeros that XLA
-                allocates early), 8 Psi_rest. The weight itself is not held: each use's
-                backward gathers it again and drops it (the forward holds it from its
-                first use to its last, before the backward's buffers exist)
-  whole sum     their sum, before it is reduced, 4 Psi_rest: made at the end of the
-                backward, once the blocks and the head have freed their buffers
+  whole leaves  the leaves outside the blocks (embeddings, final norm): the tied head's
+                gradient of the embedding, in the compute dtype, held from the start of
+                the backward to its end, c Psi_rest. The lookup's gradient starts only
+                at the end (its zeros wait for its cotangent), and the weight itself is
+                not held: each use's backward gathers it again and drops it (the forward
+                holds it from its first use to its last, before the backward's buffers
+                exist)
+  whole sum     the lookup's gradient and the sum of the two, at the end of the backward,
+                once the blocks and the head have freed their buffers: (4 + c) Psi_rest
+                (XLA's CPU compiler runs the bfloat16 scatter-add in float32)
   saved         what the backward keeps of the forward: remat "full", the L block inputs
                 (c B S d each); "matmuls", L blocks' matmul outputs (16 c B S d each);
                 "none", L blocks' internals
   block         the backward through one block: its weights gathered in the compute
                 dtype (twice with prefetch) and its full float32 weight gradient before it
                 is reduced, (c (1 + prefetch) + 4) Psi_block, plus the block's internals,
-                B S (17 c d + (4 + c) h S) (its matmuls', norms' and GELU's inputs and
-                outputs, float32 attention scores and compute-dtype probabilities), plus
-                the softmax's backward, float32: the gradients of the probabilities and of
-                the scores, 8 B S h S
-  head          the backward through the output head: float32 logits and their gradient,
-                8 B S V
-  update        the optimizer step: the gradient, the clipped gradient and the update,
-                float32, 3 x 4 Psi_pad / N
+                17 c B S d + (4 + c) B Q h S (its matmuls', norms' and GELU's inputs and
+                outputs, float32 attention scores and compute-dtype probabilities of Q
+                queries), plus the softmax's backward, float32: the gradients of the
+                probabilities and of the scores, 8 B Q h S. Q is `GPTConfig.attn_chunk`
+                (attention in query chunks, one live at a time), or S without chunks
+  head          the backward through the output head: without vocabulary pieces, float32
+                logits and their gradient, 8 B S V; in `GPTConfig.loss_chunks` = n pieces,
+                one piece's float32 logits, probabilities and their gradient, 12 B S V / n
+  update        the optimizer step: the gradient and one float32 temporary of its size
+                (XLA fuses clipping, the moments and the update into few passes),
+                2 x 4 Psi_pad / N
 
   total = state + max(gradients + secondary + whole leaves + saved
                       + max(block, head, whole sum), update)
@@ -106,10 +111,15 @@ def state_bytes(state: Any) -> int:
     return total
 
 
+def attention_rows(gpt: GPTConfig, seq: int) -> int:
+    """Queries whose scores are live at once: `gpt.attn_chunk`, or the whole sequence."""
+    return gpt.attn_chunk if 0 < gpt.attn_chunk < seq else seq
+
+
 def block_internals(gpt: GPTConfig, batch: int, seq: int, c: int) -> int:
     """One block's activations for `batch` sequences of `seq` tokens (module docstring)."""
-    d, h = gpt.d_model, gpt.n_heads
-    return batch * seq * (17 * c * d + (FLOAT + c) * h * seq)
+    d, h, q = gpt.d_model, gpt.n_heads, attention_rows(gpt, seq)
+    return batch * seq * 17 * c * d + batch * q * (FLOAT + c) * h * seq
 
 
 def saved_bytes(gpt: GPTConfig, batch: int, seq: int, c: int) -> int:
@@ -176,20 +186,22 @@ def estimate(
         scales = FLOAT * padded // weight_block_size if weight_bits is not None else 0
         secondary = (bits * padded // 8 + scales) // local
     inner = block_internals(gpt, batch, seq, c)
-    softmax = 2 * FLOAT * batch * seq * gpt.n_heads * seq
+    softmax = 2 * FLOAT * batch * attention_rows(gpt, seq) * gpt.n_heads * seq
     if replicated:
-        block, whole = inner + softmax, c * padded + 2 * FLOAT * rest
+        block, whole = inner + softmax, c * padded + c * rest
     else:
         block = (c * (2 if prefetch else 1) + FLOAT) * block_params + inner + softmax
-        whole = 2 * FLOAT * rest
+        whole = c * rest
+    pieces = gpt.loss_chunks
+    head = batch * seq * gpt.vocab_size * FLOAT * (2 if pieces == 1 else 3) // pieces
     return Estimate(
         state=state_bytes(state) + FLOAT * batch * (seq + 1),
         gradients=FLOAT * padded // n,
         secondary=secondary,
         whole_leaves=whole,
-        whole_sum=FLOAT * rest,
+        whole_sum=(FLOAT + c) * rest,
         saved=saved_bytes(gpt, batch, seq, c),
         block=block,
-        head=2 * FLOAT * batch * seq * gpt.vocab_size,
-        update=3 * FLOAT * padded // n,
+        head=head,
+        update=2 * FLOAT * padded // n,
     )
