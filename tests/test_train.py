@@ -137,8 +137,8 @@ def test_head_cross_entropy_is_optax_s_per_position_loss(pieces):
 
     np.testing.assert_allclose(chunked(x, table), whole(x, table), rtol=1e-6)
     for a, b in zip(
-        jax.grad(lambda *a: (chunked(*a) * weights).sum(), argnums=(0, 1))(x, table),
-        jax.grad(lambda *a: (whole(*a) * weights).sum(), argnums=(0, 1))(x, table),
+        jax.grad(lambda *xs: (chunked(*xs) * weights).sum(), argnums=(0, 1))(x, table),
+        jax.grad(lambda *xs: (whole(*xs) * weights).sum(), argnums=(0, 1))(x, table),
         strict=True,
     ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
