@@ -4,6 +4,7 @@ analytic estimate of `zeropp_jax.train.plan`.
     python experiments/memory.py                    # 125m..6.7b on 2 x 4 and 16 x 8 meshes
     python experiments/memory.py --meshes 2x4       # the 8-device mesh only
     python experiments/memory.py --quick            # tiny, 2 x 4 (seconds; for tests)
+    python experiments/memory.py --meshes 2x4 --reestimate   # new estimate, same totals
 
 For each preset (`zeropp-train --model`: scanned layers, `--remat full`, bfloat16 compute,
 the trainer's AdamW chain, one sequence of 2048 tokens per device) and each mesh, compiles
@@ -45,9 +46,12 @@ def _mesh_shape(text: str) -> tuple[int, int]:
     return nodes, local
 
 
-def measure(size: str, engine: str, mesh_shape: tuple[int, int], seq: int) -> dict:
+def measure(
+    size: str, engine: str, mesh_shape: tuple[int, int], seq: int, *, compile: bool = True
+) -> dict:
     """One row: the compiled step's per-device memory and the estimate (in this process,
-    which must hold `nodes * local` devices)."""
+    which must hold `nodes * local` devices). `compile=False`: the estimate alone (the
+    row's `estimate_GB`, nothing compiled)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -109,6 +113,9 @@ def measure(size: str, engine: str, mesh_shape: tuple[int, int], seq: int) -> di
             prefetch=config.prefetch,
             **kw,
         )
+    if not compile:
+        return {"mesh": f"{nodes}x{local}", "model": size, "engine": engine,
+                "estimate_GB": round(est.total / GB, 3)}  # fmt: skip
     need = fit.need_of(step.lower(state, batch).compile())
     return {
         "mesh": f"{nodes}x{local}",
@@ -125,8 +132,11 @@ def measure(size: str, engine: str, mesh_shape: tuple[int, int], seq: int) -> di
 
 
 def worker(argv: list[str]) -> None:
-    """`--worker MESH SEQ SIZE...`: prints one JSON row per size and engine."""
+    """`--worker MESH SEQ [--estimate-only] SIZE...`: prints one JSON row per size and
+    engine."""
     mesh, seq, *sizes = argv
+    compile = "--estimate-only" not in sizes
+    sizes = [s for s in sizes if s != "--estimate-only"]
     shape = _mesh_shape(mesh)
     _common.request_cpu_devices(shape[0] * shape[1])
     import warnings
@@ -134,7 +144,8 @@ def worker(argv: list[str]) -> None:
     warnings.simplefilter("ignore")  # the engine's per-leaf notes; the rows say what ran
     for size in sizes:
         for engine in ENGINES:
-            print(json.dumps(measure(size, engine, shape, int(seq))), flush=True)
+            row = measure(size, engine, shape, int(seq), compile=compile)
+            print(json.dumps(row), flush=True)
 
 
 def _figure(rows: list[dict], path: pathlib.Path) -> None:
@@ -162,6 +173,32 @@ def _figure(rows: list[dict], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _read_rows(path: pathlib.Path) -> list[dict]:
+    """The rows of a results CSV this script wrote, numbers as numbers."""
+    import csv
+
+    def value(text: str):
+        try:
+            return float(text) if "." in text else int(text)
+        except ValueError:
+            return text
+
+    with open(path, newline="") as f:
+        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _reestimated(measured: list[dict], estimates: list[dict]) -> list[dict]:
+    """The measured rows with `estimate_GB` and `xla_over_estimate` from `estimates`
+    (rows of `measure(..., compile=False)`, matched by mesh, model and engine)."""
+    new = {(e["mesh"], e["model"], e["engine"]): e["estimate_GB"] for e in estimates}
+    rows = []
+    for r in measured:
+        est = new[(r["mesh"], r["model"], r["engine"])]
+        total = float(r["total_GB"])
+        rows.append({**r, "estimate_GB": est, "xla_over_estimate": round(total / est, 3)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -173,6 +210,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence (2048)")
     p.add_argument("--quick", action="store_true", help="tiny on 2 x 4, 128 tokens")
     p.add_argument("--out", default=str(_common.RESULTS))
+    p.add_argument(
+        "--reestimate",
+        action="store_true",
+        help="keep the measured columns of the results files already in --out and "
+        "recompute only the estimate with this commit's plan.estimate (nothing compiled)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.meshes, args.sizes, args.seq = "2x4", "tiny", 128
@@ -180,8 +223,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     machine = _common.machine_line()  # before this run writes anything into the tree
     rows: list[dict] = []
     started = time.time()
+    out = pathlib.Path(args.out)
+    name = "memory_quick" if args.quick else "memory"
+    if not args.quick and args.meshes != "2x4,16x8":
+        name += "_" + args.meshes.replace(",", "_")
+    if args.reestimate:
+        measured = _read_rows(out / f"{name}.csv")
+        measured_on = (out / f"{name}.md").read_text().split("\n\n")[1]
     for mesh in args.meshes.split(","):
         cmd = [sys.executable, __file__, "--worker", mesh, str(args.seq), *args.sizes.split(",")]
+        if args.reestimate:
+            cmd.append("--estimate-only")
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=6 * 3600)
         if proc.returncode:
@@ -190,15 +242,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if line.startswith("{"):
                 rows.append(json.loads(line))
                 print(rows[-1], flush=True)
-    out = pathlib.Path(args.out)
-    name = "memory_quick" if args.quick else "memory"
-    if not args.quick and args.meshes != "2x4,16x8":
-        name += "_" + args.meshes.replace(",", "_")
+    run = f"`python experiments/memory.py {' '.join(argv)}`, {time.time() - started:.0f} s. "
+    if args.reestimate:
+        rows = _reestimated(measured, rows)
+        machine = f"Measured: {measured_on.removesuffix('.')}. Estimate: {machine}"
     _common.write_csv(out / f"{name}.csv", rows)
     head = list(rows[0])
     text = (
-        f"# Memory per device, compiled from shapes\n\n{machine}.\n\n"
-        f"`python experiments/memory.py {' '.join(argv)}`, {time.time() - started:.0f} s. "
+        f"# Memory per device, compiled from shapes\n\n{machine}.\n\n{run}"
         f"Trainer's GPT presets, scanned, `--remat full`, bfloat16 compute, AdamW, one "
         f"sequence of {args.seq} tokens per device; `total_GB` is arguments + temporaries + "
         "outputs not donated + code, per device, by `compiled.memory_analysis()`; "

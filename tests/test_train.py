@@ -323,6 +323,21 @@ def test_cli_xla_fsdp_trains_like_zero3(tmp_path, capsys):
     np.testing.assert_allclose(fsdp, zero3, rtol=1e-5)
 
 
+def test_cli_chunks_train_like_the_whole_model(tmp_path):
+    # Float32 ZeRO-3 with attention in chunks of 4 queries and the loss in 4 vocabulary
+    # pieces: the same losses as without chunks, to summation order.
+    from zeropp_jax.train import cli
+
+    exact = [*TINY_FLAGS, "--steps", "2", "--compute-dtype", "float32", "--zero3"]
+    chunks = ["--attn-chunk", "4", "--loss-chunks", "4"]
+    assert cli.main([*exact, *chunks, "--out", str(tmp_path / "chunks")]) == 0
+    assert cli.main([*exact, "--out", str(tmp_path / "whole")]) == 0
+    got = [r["loss"] for r in _metrics(tmp_path / "chunks") if "loss" in r]
+    want = [r["loss"] for r in _metrics(tmp_path / "whole") if "loss" in r]
+    assert len(got) == len(want) == 2
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_readme_shows_the_help_the_parser_prints(monkeypatch):
     import pathlib
 

@@ -32,9 +32,13 @@ sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, voca
                 queries), plus the softmax's backward, float32: the gradients of the
                 probabilities and of the scores, 8 B Q h S. Q is `GPTConfig.attn_chunk`
                 (attention in query chunks, one live at a time), or S without chunks
-  head          the backward through the output head: without vocabulary pieces, float32
-                logits and their gradient, 8 B S V; in `GPTConfig.loss_chunks` = n pieces,
-                one piece's float32 logits, probabilities and their gradient, 12 B S V / n
+  head          the backward through the output head: the embedding gathered again for
+                it, c Psi_rest (not for data parallelism, which holds every weight), and
+                without vocabulary pieces float32 logits and their gradient, 8 B S V; in
+                `GPTConfig.loss_chunks` = n pieces, one piece's float32 probabilities,
+                their gradient and its transpose, its target mask and its rows of the
+                table in float32, (12 + 1) B S V / n + 4 Psi_rest / n, plus the float32
+                input, input gradient and its update, 12 B S d
   update        the optimizer step: the gradient and one float32 temporary of its size
                 (XLA fuses clipping, the moments and the update into few passes),
                 2 x 4 Psi_pad / N
@@ -122,6 +126,18 @@ def block_internals(gpt: GPTConfig, batch: int, seq: int, c: int) -> int:
     return batch * seq * 17 * c * d + batch * q * (FLOAT + c) * h * seq
 
 
+def head_bytes(
+    gpt: GPTConfig, batch: int, seq: int, c: int, rest: int, *, replicated: bool = False
+) -> int:
+    """The backward through the output head (module docstring)."""
+    n, tokens = gpt.loss_chunks, batch * seq
+    table = 0 if replicated else c * rest
+    if n == 1:
+        return table + 2 * FLOAT * tokens * gpt.vocab_size
+    per_piece = (3 * FLOAT + 1) * tokens * gpt.vocab_size // n + FLOAT * rest // n
+    return table + per_piece + 3 * FLOAT * tokens * gpt.d_model
+
+
 def saved_bytes(gpt: GPTConfig, batch: int, seq: int, c: int) -> int:
     """What the backward keeps of the forward, by `gpt.remat` (module docstring)."""
     if gpt.remat == "full":
@@ -192,8 +208,7 @@ def estimate(
     else:
         block = (c * (2 if prefetch else 1) + FLOAT) * block_params + inner + softmax
         whole = c * rest
-    pieces = gpt.loss_chunks
-    head = batch * seq * gpt.vocab_size * FLOAT * (2 if pieces == 1 else 3) // pieces
+    head = head_bytes(gpt, batch, seq, c, rest, replicated=replicated)
     return Estimate(
         state=state_bytes(state) + FLOAT * batch * (seq + 1),
         gradients=FLOAT * padded // n,
