@@ -280,45 +280,30 @@ def gpt_step(state, batch):
     return state.apply_gradients(grads=grads), {"loss": loss}
 
 
+CHUNKS = dict(attn_chunk=8, loss_chunks=4)
+
+
 @pytest.mark.parametrize(
-    "k,scan,remat", [(2, True, "none"), (4, True, "full"), (2, False, "full"), (4, False, "none")]
+    "k,scan,remat,chunks",
+    [
+        (2, True, "none", {}),
+        (4, True, "full", {}),
+        (2, False, "full", {}),
+        (4, False, "none", {}),
+        # attention in query chunks and the head and loss in vocabulary pieces: loops whose
+        # carries vary over the mesh inside the island; with `model`, each piece split
+        (1, True, "full", CHUNKS),
+        (2, True, "full", CHUNKS),
+    ],
 )
-def test_gpt_unquantized_matches_one_device(k, scan, remat):
-    cfg = dataclasses.replace(GPT_TP, scan=scan, remat=remat)
+def test_gpt_unquantized_matches_one_device(k, scan, remat, chunks):
+    cfg = dataclasses.replace(GPT_TP, scan=scan, remat=remat, model_parallel=k > 1, **chunks)
     tx = optax.sgd(0.5)
     ref = train_state.TrainState.create(apply_fn=GPT(cfg).apply, params=init_params(cfg, 0), tx=tx)
     mesh = zpp.make_mesh(2, 4 // k, model_size=k)
     config = zpp.ZeroPPConfig(**EXACT)
     state = zpp.TrainState.create(
         apply_fn=GPT(cfg).apply, params=init_fn(cfg, 0), tx=tx, mesh=mesh, config=config
-    )
-    step, ref_step = zpp.shard(gpt_step), jax.jit(gpt_step)
-    rs = np.random.RandomState(0)
-    for _ in range(2):
-        b = rs.randint(0, 256, (8, cfg.seq_len + 1)).astype(np.int32)
-        state, m = step(state, b)
-        ref, rm = ref_step(ref, b)
-        np.testing.assert_allclose(float(m["loss"]), float(rm["loss"]), rtol=1e-5)
-    assert max_rel_err(zpp.gather_params(state), ref.params) <= 1e-5
-
-
-@pytest.mark.parametrize("k", [1, 2])
-def test_chunked_gpt_unquantized_matches_one_device(k):
-    """Attention in query chunks and the head and loss in vocabulary pieces (loops whose
-    carries vary over the mesh inside the island; with `model`, every piece split over it)
-    train like the same model on one device."""
-    cfg = dataclasses.replace(
-        GPT_TP, scan=True, remat="full", attn_chunk=8, loss_chunks=4, model_parallel=k > 1
-    )
-    tx = optax.sgd(0.5)
-    ref = train_state.TrainState.create(apply_fn=GPT(cfg).apply, params=init_params(cfg, 0), tx=tx)
-    mesh = zpp.make_mesh(2, 4 // k, model_size=k)
-    state = zpp.TrainState.create(
-        apply_fn=GPT(cfg).apply,
-        params=init_fn(cfg, 0),
-        tx=tx,
-        mesh=mesh,
-        config=zpp.ZeroPPConfig(**EXACT),
     )
     step, ref_step = zpp.shard(gpt_step), jax.jit(gpt_step)
     rs = np.random.RandomState(0)
