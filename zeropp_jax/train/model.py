@@ -255,10 +255,13 @@ def _piece(bits: jax.Array, j: jax.Array, n: int, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(piece, dtype)
 
 
-def _piece_logits(x: jax.Array, bits: jax.Array, j: jax.Array, n: int, dtype) -> jax.Array:
-    """Float32 logits (batch, seq, vocab / n) of vocabulary piece j (`_piece`)."""
-    piece = _piece(bits, j, n, dtype)
-    return jnp.einsum("bsd,vd->bsv", x, piece, preferred_element_type=jnp.float32)
+def _zeros(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.Array:
+    """Zeros of `shape` whose type varies over the same manual mesh axes as the arrays
+    `like` (inside `shard_map`, a loop's carry must keep its type through the body)."""
+    z = jnp.zeros(shape, dtype)
+    for ref in like:
+        z = z + jnp.zeros_like(ref, shape=(), dtype=dtype)
+    return z
 
 
 @jax.custom_vjp
@@ -287,20 +290,11 @@ def _lookup_fwd(table, tokens):
 
 def _lookup_bwd(residuals, g):
     like, shape, tokens = residuals
-    zeros = dataflow.tie(g, jnp.zeros(shape, like.dtype) + jnp.zeros_like(like, shape=()))
+    zeros = dataflow.tie(g, _zeros(shape, like.dtype, like))
     return zeros.at[tokens].add(g.astype(like.dtype)), None
 
 
 embed_lookup.defvjp(_lookup_fwd, _lookup_bwd)
-
-
-def _zeros(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.Array:
-    """Zeros of `shape` whose type varies over the same manual mesh axes as the arrays
-    `like` (inside `shard_map`, a loop's carry must keep its type through the body)."""
-    z = jnp.zeros(shape, dtype)
-    for ref in like:
-        z = z + jnp.zeros_like(ref, shape=(), dtype=dtype)
-    return z
 
 
 def _head_forward(x, table, targets, n):
@@ -312,7 +306,8 @@ def _head_forward(x, table, targets, n):
 
     def body(carry, j):
         top, total, picked = carry
-        logits = _piece_logits(x, bits, j, n, table.dtype)
+        piece = _piece(bits, j, n, table.dtype)
+        logits = jnp.einsum("bsd,vd->bsv", x, piece, preferred_element_type=jnp.float32)
         new_top = jnp.maximum(top, logits.max(axis=-1))
         total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[..., None]).sum(-1)
         mine = jnp.take_along_axis(logits, index[..., None], axis=-1)[..., 0]
