@@ -36,8 +36,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 SIZES = ("125m", "350m", "1.3b", "6.7b")
-ENGINES = ("data parallel", "XLA FSDP", "ZeRO-3", "ZeRO++")
+ENGINES = ("data parallel", "XLA FSDP", "ZeRO-3", "ZeRO-3 per-use", "ZeRO++", "ZeRO++ per-use")
 SEQ = 2048
+PER_USE = "per-use"
+"""An engine name ending in this (e.g. "ZeRO-3 per-use") runs `shared_grad="per_use"`."""
 GB = 1e9
 
 
@@ -98,7 +100,8 @@ def measure(
             )
             est = plan.estimate(gpt, state=state, layouts=None, replicated=True, **kw)
     else:
-        config = zpp.ZeroPPConfig.zero3() if engine == "ZeRO-3" else zpp.ZeroPPConfig()
+        config = zpp.ZeroPPConfig.zero3() if engine.startswith("ZeRO-3") else zpp.ZeroPPConfig()
+        config = config.replace(shared_grad="per_use" if PER_USE in engine else "once")
         state = zpp.TrainState.abstract(
             apply_fn=model.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, config=config
         )
@@ -111,6 +114,7 @@ def measure(
             weight_block_size=config.weight_block_size,
             hierarchical=config.hierarchical,
             prefetch=config.prefetch,
+            per_use_reduce=config.shared_grad == "per_use",
             **kw,
         )
     if not compile:

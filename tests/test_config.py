@@ -127,6 +127,7 @@ INVALID = [
     *[("grad_reduce", v, "'reduce_scatter'") for v in ("nccl", "RING", None, 1)],
     *[("hierarchical", v, BOOL_ALLOWED) for v in (1, 0, "True", None)],
     *[("skip_nonfinite_updates", v, BOOL_ALLOWED) for v in (1, "yes", None)],
+    *[("shared_grad", v, "('once', 'per_use')") for v in ("per-use", "twice", None, True)],
 ]
 
 
@@ -159,3 +160,11 @@ def test_grad_reduce_resolves_by_platform():
     assert resolve_grad_reduce(auto, "gpu") == "reduce_scatter"  # what NCCL runs
     chosen = ZeroPPConfig.zero3(grad_reduce="reduce_scatter")
     assert resolve_grad_reduce(chosen, "cpu") == "reduce_scatter"
+
+
+def test_per_use_shared_gradients_refuse_error_feedback():
+    with pytest.raises(ValueError, match="shared_grad='per_use'.*error_feedback=None") as info:
+        ZeroPPConfig(shared_grad="per_use", error_feedback="node")
+    assert "ZeroPPConfig.shared_grad='per_use' is not allowed" in str(info.value)
+    assert ZeroPPConfig(shared_grad="per_use").shared_grad == "per_use"
+    assert ZeroPPConfig().shared_grad == "once"

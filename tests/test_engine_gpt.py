@@ -189,3 +189,43 @@ def test_scanned_gpt_ledger_equals_the_unrolled_one(name):
         for r in out[True].records:
             if r.phase == "backward" and r.op == "all-gather":
                 assert r.axes == ("local",), r
+
+
+def test_per_use_shared_gradient_matches_one_device_and_reduces_the_table_per_use():
+    """`shared_grad="per_use"`: the tied embedding's gradient is reduced at the head and
+    again at the lookup instead of once for their sum. Unquantized, training equals one
+    device to float summation order; the ledger differs from `"once"` by exactly one more
+    reduction of the table, the gathers are the same."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    cfg = dataclasses.replace(CFG, scan=True, remat="full", attn_chunk=16, loss_chunks=4)
+    tx = optax.sgd(0.5)
+    mesh = zpp.make_mesh(2, 4)
+    ref = train_state.TrainState.create(apply_fn=GPT(cfg).apply, params=init_params(cfg, 0), tx=tx)
+    ref_step = jax.jit(train_step)
+    exact = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
+    led, got = {}, None
+    for shared_grad in ("once", "per_use"):
+        config = zpp.ZeroPPConfig(**exact, shared_grad=shared_grad)
+        state = zpp.TrainState.create(
+            apply_fn=GPT(cfg).apply, params=init_params(cfg, 0), tx=tx, mesh=mesh, config=config
+        )
+        step = zpp.shard(train_step)
+        led[shared_grad] = zpp.comm_ledger(step, state, batch(0, 8))
+        if shared_grad == "per_use":
+            for i in range(2):
+                state, m = step(state, batch(i, 8))
+                ref, rm = ref_step(ref, batch(i, 8))
+                np.testing.assert_allclose(float(m["loss"]), float(rm["loss"]), rtol=1e-5)
+            got = zpp.gather_params(state)
+    leaves = jax.tree_util.tree_leaves
+    for a, b in zip(leaves(got), leaves(ref.params), strict=True):
+        assert float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) <= 1e-5
+    (table,) = [lo for lo in state.layouts[1] if lo.size == cfg.vocab_size * cfg.d_model]
+    once, per_use = led["once"], led["per_use"]
+    for phase, ops in (("forward", GATHER), ("backward", GATHER)):
+        assert phase_bytes(per_use, phase, ops) == phase_bytes(once, phase, ops) > 0
+    extra = phase_bytes(per_use, "backward", REDUCE) - phase_bytes(once, "backward", REDUCE)
+    assert extra == table.padded_size * 4 * 7 // 8  # float32, 7/8 of it sent per device

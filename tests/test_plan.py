@@ -125,6 +125,12 @@ def test_estimate_terms():
         2 * rest + 8 * 2048 * V
     )
     assert z3.total == z3.state + max(z3.backward, z3.update)
+    # shared_grad="per_use": the head's gradient of the table is reduced at the head,
+    # not held through the backward
+    per_use = plan.estimate(gpt, state=state, layouts=state.layouts[1], per_use_reduce=True, **kw)
+    assert per_use.whole_leaves == 0 and per_use.head == z3.head + 2 * rest
+    assert per_use.whole_sum == z3.whole_sum == 2 * rest + 4 * rest // n
+    assert per_use.block == z3.block
 
 
 def test_presets_and_their_parameter_counts():
@@ -136,9 +142,9 @@ def test_presets_and_their_parameter_counts():
     gpt = gpt_config(args)
     assert (gpt.d_model, gpt.n_layers, gpt.n_heads, gpt.seq_len) == (1024, 24, 16, 128)
     assert gpt.scan and gpt.remat == "none"
-    assert (gpt.attn_chunk, gpt.loss_chunks) == (256, 8)  # 128 tokens: attention whole
+    assert (gpt.attn_chunk, gpt.loss_chunks) == (256, 16)  # 128 tokens: attention whole
     big = gpt_config(parse_args(["--model", "1.3b"]))
-    assert (big.attn_chunk, big.loss_chunks) == (256, 8) and big.vocab_size % 8 == 0
+    assert (big.attn_chunk, big.loss_chunks) == (256, 16) and big.vocab_size % 16 == 0
     assert gpt_config(parse_args(["--model", "tiny"])).loss_chunks == 1
     assert gpt_config(parse_args(["--no-scan-layers"])).scan is False
 

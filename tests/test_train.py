@@ -103,18 +103,22 @@ def test_chunks_shrink_the_compiled_step():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_embed_lookup_is_take_with_its_gradient(dtype):
+@pytest.mark.parametrize("pieces", [1, 3, 16])
+def test_embed_lookup_is_take_with_its_gradient(dtype, pieces):
+    """To the bit, also in row ranges (3 pieces of 16 rows: 0-5, 6-11 and 10-15, the last
+    overlapping the one before; token 3 is summed four times)."""
     table = jax.random.normal(jax.random.key(0), (16, 8), dtype)
-    tokens = jnp.array([[3, 3, 0, 15], [7, 3, 0, 1]])
-    weights = jax.random.normal(jax.random.key(1), (2, 4, 8), dtype)
+    tokens = jnp.array([[3, 3, 0, 15], [7, 3, 0, 1], [11, 10, 10, 6], [5, 3, 15, 12]])
+    weights = jax.random.normal(jax.random.key(1), (4, 4, 8), dtype)
 
     def f(lookup, t):
         return (lookup(t, tokens).astype(jnp.float32) * weights).sum()
 
     take = functools.partial(jnp.take, axis=0)
-    np.testing.assert_array_equal(embed_lookup(table, tokens), take(table, tokens))
+    mine = functools.partial(embed_lookup, pieces=pieces)
+    np.testing.assert_array_equal(mine(table, tokens), take(table, tokens))
     np.testing.assert_array_equal(
-        jax.jit(jax.grad(functools.partial(f, embed_lookup)))(table),
+        jax.jit(jax.grad(functools.partial(f, mine)))(table),
         jax.jit(jax.grad(functools.partial(f, take)))(table),
     )
 

@@ -387,14 +387,19 @@ def ring_reduce_scatter(x: jax.Array, *, axis_name: AxisName) -> jax.Array:
     """
     g = _group_size(axis_name)
     rows_shape = (x.shape[0] // g, *x.shape[1:])
-    chunks = x.reshape(g, -1)
     if g == 1:
-        return chunks[0].astype(jnp.float32).reshape(rows_shape)
+        return x.astype(jnp.float32).reshape(rows_shape)
+    # The loop slices the chunks' raw bits: XLA's CPU compiler would move the float32
+    # convert of a sliced 16-bit chunk onto the whole loop-invariant `x`, a float32 copy of
+    # the gradient (twice its size) held through the ring; a convert cannot move through a
+    # bitcast.
+    chunks = to_wire(x).reshape(g, -1)
     idx = lax.axis_index(axis_name)
     perm = [(i, (i + 1) % g) for i in range(g)]
 
     def chunk(step):
-        return lax.dynamic_index_in_dim(chunks, (idx - 1 - step) % g, keepdims=False)
+        piece = lax.dynamic_index_in_dim(chunks, (idx - 1 - step) % g, keepdims=False)
+        return from_wire(piece, x.dtype)
 
     def hop(step, acc):
         sent = lax.ppermute(to_wire(acc.astype(x.dtype)), axis_name, perm)

@@ -22,6 +22,8 @@ KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
 GRAD_REDUCE = ("auto", "ring", "reduce_scatter")
 """The values of `ZeroPPConfig.grad_reduce`."""
 ERROR_FEEDBACK = (None, "node", "all")
+SHARED_GRAD = ("once", "per_use")
+"""The values of `ZeroPPConfig.shared_grad`."""
 
 
 def _fail(field: str, value: Any, allowed: str, fix: str = "") -> None:
@@ -125,6 +127,16 @@ class ZeroPPConfig:
         computes (forward), so a GPU can overlap the communication with compute. Costs at
         most one more layer of full weights in flight. False gathers each weight just
         before its use.
+      shared_grad: how the gradient of a weight read by several equations (a tied
+        embedding: the input lookup and the output head) is reduced. "once" (default)
+        sums the uses' full-size gradients on each device and reduces the sum once, so
+        the first use's gradient (the head's, at the start of the backward) is held, in
+        the compute dtype, until the last use's (the lookup's, at its end). "per_use"
+        reduces each use's gradient as soon as it is made and holds nothing full-size:
+        a memory saving of that weight's size in the compute dtype through the whole
+        backward, for one more gradient reduction of the weight per extra use (more
+        gradient bytes, shown in the ledger, and one more quantization event on that
+        weight's gradient with qgZ). Incompatible with `error_feedback`.
       skip_nonfinite_updates: if True, a step whose gradients hold NaN or Inf leaves the
         parameters and optimizer state unchanged (the step counter and a skipped-step
         counter still advance) instead of writing non-finite values into the master weights.
@@ -139,6 +151,7 @@ class ZeroPPConfig:
     kernels: str = "auto"
     grad_reduce: str = "auto"
     prefetch: bool = True
+    shared_grad: str = "once"
     skip_nonfinite_updates: bool = False
     weight_local_bits: int | str | None = SAME
     grad_node_bits: int | str | None = SAME
@@ -198,6 +211,16 @@ class ZeroPPConfig:
             _fail("kernels", self.kernels, f"one of {KERNELS}")
         if self.grad_reduce not in GRAD_REDUCE:
             _fail("grad_reduce", self.grad_reduce, f"one of {GRAD_REDUCE}")
+        if self.shared_grad not in SHARED_GRAD:
+            _fail("shared_grad", self.shared_grad, f"one of {SHARED_GRAD}")
+        if self.shared_grad == "per_use" and self.error_feedback is not None:
+            _fail(
+                "shared_grad",
+                "per_use",
+                "'once' when error_feedback is on",
+                "Error feedback keeps one residual per leaf and reduction; set "
+                "shared_grad='once' or error_feedback=None.",
+            )
         try:
             name = jnp.dtype(self.compute_dtype).name
         except TypeError:

@@ -181,7 +181,13 @@ def make_island_apply(
                 else:
                     weights_in.append(x)
             return placement.run_placed(
-                model, weights_in, p, (batch, rep, oth, keys), gathers, config.prefetch
+                model,
+                weights_in,
+                p,
+                (batch, rep, oth, keys),
+                gathers,
+                config.prefetch,
+                per_use_reduce=config.shared_grad == "per_use",
             )
 
         island = jax.shard_map(

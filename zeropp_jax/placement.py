@@ -17,8 +17,10 @@ value (its per-device shard, not yet gathered):
   weight stay lazy; `jit` calls are inlined; a user's `jax.checkpoint` block is evaluated
   under `jax.checkpoint` with the same policy (plus the secondary shard saved);
 - a weight read more than once (a tied embedding) is gathered once, at its first use, and
-  held until its last; each use's backward re-gathers it, and its summed cotangent leaves
-  through one gradient reduction;
+  held until its last; each use's backward re-gathers it. Its cotangent leaves through one
+  gradient reduction of the uses' sum (the first use's full-size gradient waits for the
+  last one), or, with `per_use_reduce`, each use reduces its own gradient as it is made
+  (one more reduction of the leaf per extra use, nothing full-size held);
 - a weight read inside a `cond` or `while`, or by a scan this module does not rebuild (a
   reversed scan, a weight among its constants or carry, a layer axis other than 0), is
   gathered whole at that point, with a warning naming the leaf.
@@ -93,6 +95,7 @@ class Context:
     gathers: dataflow.Gathers
     prefetch: bool
     uses: dict[int, int]
+    per_use_reduce: bool = False
     shared: dict[int, tuple[Any, Any, Any]] = dataclasses.field(default_factory=dict)
     tie: Any = None
     warned: set[tuple[int, str]] = dataclasses.field(default_factory=set)
@@ -248,7 +251,7 @@ def _checkpointed(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[A
             dataclasses.replace(x, shard=next(it_s)) if isinstance(x, Lazy) else next(it_o)
             for x in invals
         ]
-        sub = Context(ctx.gathers, ctx.prefetch, ctx.uses, warned=ctx.warned)
+        sub = Context(ctx.gathers, ctx.prefetch, ctx.uses, ctx.per_use_reduce, warned=ctx.warned)
         consts = inner.consts if hasattr(inner, "consts") else ()
         jx = inner.jaxpr if hasattr(inner, "jaxpr") else inner
         return evaluate(jx, consts, args, sub)
@@ -347,7 +350,9 @@ def _shared(
 def _at_shared_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], ctx: Context):
     """One use of weights gathered once for several uses: the forward reads the shared
     full weight; the backward re-gathers it (from the secondary shard with hpZ) rather
-    than keeping it, and returns the weight's cotangent to the shared gather."""
+    than keeping it, and returns the weight's cotangent to the shared gather. With
+    `ctx.per_use_reduce` the backward reduces that cotangent itself and returns it to the
+    stored shard's piece (`own`); the shared gather then gets none and reduces nothing."""
     g = ctx.gathers
     lazies = [invals[i] for i in lazy_idx]
     leaves = [lz.leaf for lz in lazies]
@@ -358,6 +363,10 @@ def _at_shared_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], c
     wires = [lax.stop_gradient(w) for _, w, _ in got]
     pieces = [p for _, _, p in got]
     fixed = [g.fixed(leaf) for leaf in leaves]
+    own: list[jax.Array] = []
+    if ctx.per_use_reduce:
+        flats = [lax.stop_gradient(f) for f in flats]
+        own = [part.piece(lz.shard, g.layout(lz.leaf)) for lz in lazies]
 
     def run_flat(acts, flat):
         merged: list[Any] = [None] * len(invals)
@@ -368,10 +377,10 @@ def _at_shared_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], c
         return _bind(eqn, merged)
 
     @jax.custom_vjp
-    def use(flats, acts, wires, pieces, fixed):
+    def use(own, flats, acts, wires, pieces, fixed):
         return run_flat(acts, flats)
 
-    def use_fwd(flats, acts, wires, pieces, fixed):
+    def use_fwd(own, flats, acts, wires, pieces, fixed):
         return run_flat(acts, flats), (acts, wires, pieces, fixed)
 
     def use_bwd(saved, cts):
@@ -384,10 +393,16 @@ def _at_shared_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], c
         _, pull = jax.vjp(run_flat, acts, again)
         d_acts, d_flat = pull(cts)
         zero = functools.partial(jax.tree_util.tree_map, dataflow.zero_cotangent)
-        return list(d_flat), list(d_acts), zero(wires), zero(pieces), zero(fixed)
+        if not ctx.per_use_reduce:
+            return [], list(d_flat), list(d_acts), zero(wires), zero(pieces), zero(fixed)
+        d_own = [
+            g.reduce(leaf, dw, f, (), None)[0]
+            for leaf, dw, f in zip(leaves, d_flat, fixed, strict=True)
+        ]
+        return d_own, zero(d_flat), list(d_acts), zero(wires), zero(pieces), zero(fixed)
 
     use.defvjp(use_fwd, use_bwd)
-    return use(flats, acts, wires, pieces, fixed)
+    return use(own, flats, acts, wires, pieces, fixed)
 
 
 # ----------------------------------------------------------------------------- scans
@@ -463,6 +478,7 @@ def run_placed(
     others: Any,
     gathers: dataflow.Gathers,
     prefetch: bool,
+    per_use_reduce: bool = False,
 ) -> Any:
     """`model(weights, *others)` with every sharded weight gathered where it is used.
 
@@ -478,6 +494,8 @@ def run_placed(
       others: a tuple of the model's other inputs (pytrees of arrays).
       gathers: how each sharded leaf is gathered and reduced.
       prefetch: gather each weight one use (one layer) ahead.
+      per_use_reduce: a weight read by several equations reduces each use's gradient as
+        it is made, instead of the sum of all uses' once (`ZeroPPConfig.shared_grad`).
 
     Returns:
       The model's output pytree.
@@ -495,7 +513,7 @@ def run_placed(
             args.append(w)
     args.extend(flat_others)
     lazy_leaves = {closed.jaxpr.invars[i]: i for i in sharded}
-    ctx = Context(gathers, prefetch, count_uses(closed.jaxpr, lazy_leaves))
+    ctx = Context(gathers, prefetch, count_uses(closed.jaxpr, lazy_leaves), per_use_reduce)
     outs = evaluate(closed.jaxpr, closed.consts, args, ctx)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 

@@ -489,6 +489,8 @@ def _ledgers(run: _Run, batch) -> dict[str, Any]:
             params=run.init_params,
             tx=make_optimizer(run.args),
             mesh=run.mesh,
-            config=zpp.ZeroPPConfig.zero3(compute_dtype=run.config.compute_dtype),
+            config=zpp.ZeroPPConfig.zero3(
+                compute_dtype=run.config.compute_dtype, shared_grad=run.config.shared_grad
+            ),
         )
     return ledgers

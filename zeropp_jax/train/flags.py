@@ -10,7 +10,7 @@ import argparse
 import math
 from collections.abc import Sequence
 
-from zeropp_jax.config import KERNELS
+from zeropp_jax.config import KERNELS, SHARED_GRAD
 
 PROG = "zeropp-train"
 
@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=None,
         help="vocabulary pieces the output head and loss run in, never holding the whole "
-        "logits; must divide the vocabulary (tiny: 1, others 8)",
+        "logits (and row ranges of the lookup's gradient); must divide the vocabulary "
+        "(tiny: 1, others 16)",
     )
 
     g = p.add_argument_group("training")
@@ -264,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative,
         default=0,
         help="zero the residuals every this many steps, 0 = never (0)",
+    )
+    g.add_argument(
+        "--shared-grad",
+        choices=SHARED_GRAD,
+        default="once",
+        help="gradient of the tied embedding (read by the lookup and the head): once (sum "
+        "the uses, reduce once; holds the head's full gradient through the backward) or "
+        "per_use (reduce each use's as it is made: less memory, one more reduction of "
+        "the table per step) (once)",
     )
     g.add_argument(
         "--no-hierarchical",
@@ -498,4 +508,5 @@ def _config(args: argparse.Namespace):
         error_feedback_reset=args.error_feedback_reset,
         compute_dtype=args.compute_dtype,
         kernels=args.kernels,
+        shared_grad=args.shared_grad,
     )

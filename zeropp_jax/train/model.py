@@ -58,7 +58,8 @@ class GPTConfig:
         (batch, seq, vocab) logits: a loop over vocabulary pieces (piece j holds the rows
         j, j + n, j + 2n, ..., so that a vocabulary split over `model` splits every piece
         evenly) keeps a running log-sum-exp, and the backward recomputes each piece's
-        logits. It must divide `vocab_size`.
+        logits. It must divide `vocab_size`. The input lookup's gradient is summed in as
+        many ranges of rows (`embed_lookup`), one after the other.
       model_parallel: annotate the blocks for tensor parallelism on the mesh's `model`
         axis (Megatron-style, `nn.with_partitioning`): the attention's `qkv` and the MLP's
         `fc` split by column (whole heads per rank: `qkv`'s columns are ordered head by
@@ -264,19 +265,23 @@ def _zeros(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.Array:
     return z
 
 
-@jax.custom_vjp
-def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def embed_lookup(table: jax.Array, tokens: jax.Array, pieces: int = 1) -> jax.Array:
     """Rows `tokens` of `table`: `jnp.take(table, tokens, axis=0)`, as `nn.Embed` computes
-    it, with the same gradient (a scatter-add of the cotangent into zeros of the table's
-    shape and dtype).
+    it, with its gradient: a scatter-add of the cotangent into zeros of the table's shape
+    and dtype, in `pieces` ranges of rows.
 
     The backward's zeros wait for the cotangent (`zeropp_jax.dataflow.tie`): without that
     XLA allocates them, a whole (vocab, d) buffer, at the start of the backward and holds
     them through every block's backward until the lookup's gradient is finally added in.
+    Each range of rows is its own scatter-add in the table's dtype, so the sums are those
+    of one scatter-add over the whole table, to the bit; XLA's CPU compiler widens a 16-bit
+    scatter-add's buffer to float32, which in ranges is one range's size, not the table's.
 
     Args:
       table: (vocab, d) embedding, per shard as the model sees it.
       tokens: integer ids of any shape.
+      pieces: ranges of rows the gradient is summed in, one after the other (1: at once).
 
     Returns:
       tokens.shape + (d,), in the table's dtype.
@@ -284,14 +289,32 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take(table, tokens, axis=0)
 
 
-def _lookup_fwd(table, tokens):
-    return embed_lookup(table, tokens), (jnp.zeros_like(table, shape=(0,)), table.shape, tokens)
+def _lookup_fwd(table, tokens, pieces):
+    saved = (jnp.zeros_like(table, shape=(0,)), table.shape, tokens)
+    return embed_lookup(table, tokens, pieces), saved
 
 
-def _lookup_bwd(residuals, g):
+def _lookup_bwd(pieces, residuals, g):
     like, shape, tokens = residuals
-    zeros = dataflow.tie(g, _zeros(shape, like.dtype, like))
-    return zeros.at[tokens].add(g.astype(like.dtype)), None
+    out = dataflow.tie(g, _zeros(shape, like.dtype, like))
+    updates = g.astype(like.dtype)
+    if pieces == 1:
+        return out.at[tokens].add(updates), None
+    rows = shape[0]
+    size = -(-rows // pieces)
+
+    def body(out, k):
+        # The last range ends at the last row (it may overlap the one before: the rows of
+        # both get the same sums twice).
+        start = jnp.minimum(k * size, rows - size)
+        local = tokens - start
+        local = jnp.where((local >= 0) & (local < size), local, size)  # size: dropped
+        piece = _zeros((size, *shape[1:]), out.dtype, g, like)
+        piece = piece.at[local].add(updates, mode="drop")
+        return jax.lax.dynamic_update_slice_in_dim(out, piece, start, 0), None
+
+    out, _ = jax.lax.scan(body, out, jnp.arange(pieces))
+    return out, None
 
 
 embed_lookup.defvjp(_lookup_fwd, _lookup_bwd)
@@ -399,7 +422,8 @@ class GPT(nn.Module):
             init = nn.with_partitioning(init, VOCAB_SPLIT)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="wte")
         pos = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
-        x = embed_lookup(embed.embedding, tokens) + pos[:seq].astype(embed.embedding.dtype)
+        x = embed_lookup(embed.embedding, tokens, cfg.loss_chunks)
+        x = x + pos[:seq].astype(embed.embedding.dtype)
         if cfg.scan:
             blocks = nn.scan(
                 _remat(ScannedBlock, cfg.remat, scanned=True),
@@ -427,7 +451,7 @@ VOCAB = 50304
 """The presets' vocabulary: GPT-2's 50257 tokens padded to a multiple of 128 (as nanoGPT
 does), so that the embedding divides over a mesh along its vocabulary axis."""
 
-_LARGE = dict(vocab_size=VOCAB, seq_len=2048, attn_chunk=256, loss_chunks=8)
+_LARGE = dict(vocab_size=VOCAB, seq_len=2048, attn_chunk=256, loss_chunks=16)
 
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(),
@@ -441,7 +465,7 @@ the others have the widths, depths and 2048-token context of GPT-3's models of t
 names (Brown et al. 2020, table 2.1; 1.3b with 16 heads of 128 rather than 24) and GPT-2's
 vocabulary (`VOCAB`), so that their parameter counts are the named ones (the byte-level
 data uses token ids 0-255 of it), attention in chunks of 256 queries and the head and loss
-in 8 vocabulary pieces (6288 rows each), so that neither the (seq x seq) scores nor the
+in 16 vocabulary pieces (3144 rows each), so that neither the (seq x seq) scores nor the
 (seq x vocab) logits are held whole. The widths and depths are those before `scan` and
 `remat`, which the trainer sets from its own flags."""
 

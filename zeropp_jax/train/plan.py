@@ -13,14 +13,18 @@ sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, voca
                 quantization block (0 without hpZ)
   whole leaves  the leaves outside the blocks (embeddings, final norm): the tied head's
                 gradient of the embedding, in the compute dtype, held from the start of
-                the backward to its end, c Psi_rest. The lookup's gradient starts only
-                at the end (its zeros wait for its cotangent), and the weight itself is
-                not held: each use's backward gathers it again and drops it (the forward
+                the backward to its end, c Psi_rest (0 with `shared_grad="per_use"`,
+                which reduces it at the head). The lookup's gradient starts only at the
+                end (its zeros wait for its cotangent), and the weight itself is not
+                held: each use's backward gathers it again and drops it (the forward
                 holds it from its first use to its last, before the backward's buffers
                 exist)
-  whole sum     the lookup's gradient and the sum of the two, at the end of the backward,
-                once the blocks and the head have freed their buffers: (4 + c) Psi_rest
-                (XLA's CPU compiler runs the bfloat16 scatter-add in float32)
+  whole sum     the lookup's gradient, at the end of the backward, once the blocks and
+                the head have freed their buffers: in the compute dtype, c Psi_rest,
+                plus one of its n = `GPTConfig.loss_chunks` ranges of rows in float32,
+                4 Psi_rest / n (XLA's CPU compiler widens a bfloat16 scatter-add's
+                buffer; `embed_lookup`). The sum with the head's gradient is written
+                in place
   saved         what the backward keeps of the forward: remat "full", the L block inputs
                 (c B S d each); "matmuls", L blocks' matmul outputs (16 c B S d each);
                 "none", L blocks' internals
@@ -38,7 +42,9 @@ sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, voca
                 `GPTConfig.loss_chunks` = n pieces, one piece's float32 probabilities,
                 their gradient and its transpose, its target mask and its rows of the
                 table in float32, (12 + 1) B S V / n + 4 Psi_rest / n, plus the float32
-                input, input gradient and its update, 12 B S d
+                input, input gradient and its update, 12 B S d; with
+                `shared_grad="per_use"` also the head's gradient of the table, c Psi_rest,
+                reduced when the head's backward ends
   update        the optimizer step: the gradient and one float32 temporary of its size
                 (XLA fuses clipping, the moments and the update into few passes),
                 2 x 4 Psi_pad / N
@@ -161,6 +167,7 @@ def estimate(
     hierarchical: bool = False,
     prefetch: bool = True,
     replicated: bool = False,
+    per_use_reduce: bool = False,
 ) -> Estimate:
     """The analytic per-device memory of one training step of `GPT(gpt)`.
 
@@ -179,6 +186,8 @@ def estimate(
       hierarchical: hpZ (a secondary shard per leaf).
       prefetch: the next layer's weights are gathered while this one runs.
       replicated: plain data parallelism (every device holds everything).
+      per_use_reduce: `ZeroPPConfig.shared_grad="per_use"`: the tied embedding's
+        gradient is reduced per use, so the head's is not held through the backward.
 
     Returns:
       The estimate, term by term.
@@ -207,14 +216,16 @@ def estimate(
         block, whole = inner + softmax, c * padded + c * rest
     else:
         block = (c * (2 if prefetch else 1) + FLOAT) * block_params + inner + softmax
-        whole = c * rest
+        whole = 0 if per_use_reduce else c * rest
     head = head_bytes(gpt, batch, seq, c, rest, replicated=replicated)
+    if per_use_reduce and not replicated:
+        head += c * rest
     return Estimate(
         state=state_bytes(state) + FLOAT * batch * (seq + 1),
         gradients=FLOAT * padded // n,
         secondary=secondary,
         whole_leaves=whole,
-        whole_sum=(FLOAT + c) * rest,
+        whole_sum=c * rest + FLOAT * rest // gpt.loss_chunks,
         saved=saved_bytes(gpt, batch, seq, c),
         block=block,
         head=head,

@@ -46,13 +46,14 @@ def config_text(config: Any) -> str:
     """One line naming the engine a `ZeroPPConfig` (None: XLA FSDP) runs."""
     if config is None:
         return "XLA FSDP (jax.jit, parameters and optimizer state sharded over all devices)"
+    per_use = ", tied gradients reduced per use" if config.shared_grad == "per_use" else ""
     if config.is_zero3:
-        return f"ZeRO-3 ({config.compute_dtype.name})"
+        return f"ZeRO-3 ({config.compute_dtype.name}{per_use})"
     return (
         f"ZeRO++ (weights {config.weight_bits or 'unquantized'}"
         f"{'-bit' if config.weight_bits else ''}, hpZ {'on' if config.hierarchical else 'off'}, "
         f"gradients {config.grad_bits or 'unquantized'}{'-bit' if config.grad_bits else ''}, "
-        f"{config.compute_dtype.name})"
+        f"{config.compute_dtype.name}{per_use})"
     )
 
 
@@ -127,6 +128,7 @@ def plan_report(args: argparse.Namespace, *, train_step: Callable, tx: Any) -> s
         weight_block_size=256 if config is None else config.weight_block_size,
         hierarchical=config is not None and config.hierarchical,
         prefetch=config is None or config.prefetch,
+        per_use_reduce=config is not None and config.shared_grad == "per_use",
     )
     scale, unit = (plan.GB, "GB") if need.total >= plan.GB else (1e6, "MB")
     head = (
