@@ -237,12 +237,16 @@ def _remat(block: type[nn.Module], remat: str, *, scanned: bool) -> type[nn.Modu
 
 
 def _as_bits(table: jax.Array) -> jax.Array:
-    """The table's bits as unsigned integers of its width, for the head's loops to slice.
+    """The table's bits as unsigned integers of its width, for the head's loops to slice
+    and the backward loops to update.
 
     XLA's CPU compiler computes bfloat16 dots in float32 and moves the widening convert
     from a loop's slice onto the whole loop-invariant table, holding a float32 copy of it
     (twice the table) through the loop; a convert cannot move through a bitcast, so the
-    loops carry the bits and each piece is bitcast back after slicing. Free elsewhere."""
+    loops carry the bits and each piece is bitcast back after slicing. It also widens a
+    bfloat16 dynamic-update-slice to float32 (convert, update, convert back), which then
+    cannot update the loop's carry in place: a second copy of a whole gradient carry.
+    Free elsewhere."""
     bits = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[table.dtype.itemsize]
     return jax.lax.bitcast_convert_type(table, bits)
 
@@ -309,12 +313,12 @@ def _lookup_bwd(pieces, residuals, g):
         start = jnp.minimum(k * size, rows - size)
         local = tokens - start
         local = jnp.where((local >= 0) & (local < size), local, size)  # size: dropped
-        piece = _zeros((size, *shape[1:]), out.dtype, g, like)
+        piece = _zeros((size, *shape[1:]), like.dtype, g, like)
         piece = piece.at[local].add(updates, mode="drop")
-        return jax.lax.dynamic_update_slice_in_dim(out, piece, start, 0), None
+        return jax.lax.dynamic_update_slice_in_dim(out, _as_bits(piece), start, 0), None
 
-    out, _ = jax.lax.scan(body, out, jnp.arange(pieces))
-    return out, None
+    out, _ = jax.lax.scan(body, _as_bits(out), jnp.arange(pieces))  # bits: see `_as_bits`
+    return jax.lax.bitcast_convert_type(out, like.dtype), None
 
 
 embed_lookup.defvjp(_lookup_fwd, _lookup_bwd)
@@ -382,14 +386,16 @@ def _head_bwd(n, residuals, g):
         dlogits = (probs - hit) * g[..., None]
         dx = dx + jnp.einsum("bsv,vd->bsd", dlogits, piece.astype(jnp.float32))
         rows = jnp.einsum("bsv,bsd->vd", dlogits, x.astype(jnp.float32)).astype(table.dtype)
-        dtable = jax.lax.dynamic_update_index_in_dim(dtable, rows, j, axis=1)
+        dtable = jax.lax.dynamic_update_index_in_dim(dtable, _as_bits(rows), j, axis=1)
         return (dx, dtable), None
 
+    zeros = _zeros((vocab // n, n, d), table.dtype, x, table, targets, g)
     start = (
         _zeros(x.shape, jnp.float32, x, table, targets, g),
-        dataflow.tie(lse, _zeros((vocab // n, n, d), table.dtype, x, table, targets, g)),
+        _as_bits(dataflow.tie(lse, zeros)),
     )
     (dx, dtable), _ = jax.lax.scan(body, start, jnp.arange(n))
+    dtable = jax.lax.bitcast_convert_type(dtable, table.dtype)
     return dx.astype(x.dtype), dtable.reshape(vocab, d), None
 
 
