@@ -9,10 +9,12 @@ analytic estimate of `zeropp_jax.train.plan`.
 For each preset (`zeropp-train --model`: scanned layers, `--remat full`, bfloat16 compute,
 the trainer's AdamW chain, one sequence of 2048 tokens per device) and each mesh, compiles
 one training step from shapes alone (`TrainState.abstract`; nothing is initialised or
-allocated) and reads `compiled.memory_analysis()` per device for four engines: plain data
+allocated) and reads `compiled.memory_analysis()` per device for six engines: plain data
 parallelism (`jax.jit`, state replicated, batch split), XLA's own FSDP
 (`zeropp_jax.baselines`: `jax.jit` with parameters and optimizer state sharded over all
-devices), our ZeRO-3 and ZeRO++ (`zpp.shard`, state donated). Each row sits against the
+devices), our ZeRO-3 and ZeRO++ (`zpp.shard`, state donated), each of the two also with
+`shared_grad="per_use"` ("ZeRO-3 per-use", "ZeRO++ per-use": the tied embedding's
+gradient reduced at each of its two uses, not held through the backward). Each row sits against the
 estimate (the module docstring of `zeropp_jax/train/plan.py` writes out every term; XLA's
 FSDP is set against the ZeRO-3 formula, which it would meet if it gathered one layer at a
 time). Each mesh runs in its own process with that many emulated CPU devices. No XLA flag
@@ -162,10 +164,10 @@ def _figure(rows: list[dict], path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, len(meshes), figsize=(6 * len(meshes), 4.2), squeeze=False)
     for ax, mesh in zip(axes[0], meshes, strict=True):
         sizes = list(dict.fromkeys(r["model"] for r in rows if r["mesh"] == mesh))
-        width = 0.2
+        width = 0.8 / len(ENGINES)
         for k, engine in enumerate(ENGINES):
             got = {r["model"]: r for r in rows if r["mesh"] == mesh and r["engine"] == engine}
-            xs = [i + (k - 1.5) * width for i in range(len(sizes))]
+            xs = [i + (k - (len(ENGINES) - 1) / 2) * width for i in range(len(sizes))]
             ax.bar(xs, [got[s]["total_GB"] for s in sizes], width, label=engine)
             ax.scatter(xs, [got[s]["estimate_GB"] for s in sizes], marker="_", color="k", s=80)
         ax.set_yscale("log")
@@ -258,7 +260,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"sequence of {args.seq} tokens per device; `total_GB` is arguments + temporaries + "
         "outputs not donated + code, per device, by `compiled.memory_analysis()`; "
         "`estimate_GB` is `zeropp_jax.train.plan.estimate` (XLA FSDP against the ZeRO-3 "
-        "formula). Compile only; no XLA flags beyond the device count.\n\n"
+        'formula); the per-use rows run `ZeroPPConfig(shared_grad="per_use")`. Compile '
+        "only; no XLA flags beyond the device count.\n\n"
         + _common.markdown_table(head, [list(r.values()) for r in rows])
     )
     _common.write_text(out / f"{name}.md", text)

@@ -19,6 +19,8 @@ class Gathers(Protocol):
     `fixed(leaf)` (stochastic-rounding key, weight-delta reference) and `residuals(leaf)`
     (error feedback) are traced values of the island; the interpreter passes them back
     explicitly, so the methods below read nothing traced from the object itself.
+    `reduce`'s `layer` is folded into the leaf's stochastic-rounding key (a scan's layer
+    index, or which of a shared weight's per-use reductions it is); None: the key as is.
     """
 
     num_devices: int

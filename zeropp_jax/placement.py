@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax._src import ad_checkpoint, core, source_info_util
 from jax._src.lax.control_flow import cond_p, scan_p, while_p
@@ -97,6 +98,7 @@ class Context:
     uses: dict[int, int]
     per_use_reduce: bool = False
     shared: dict[int, tuple[Any, Any, Any]] = dataclasses.field(default_factory=dict)
+    reductions: dict[int, int] = dataclasses.field(default_factory=dict)
     tie: Any = None
     warned: set[tuple[int, str]] = dataclasses.field(default_factory=set)
 
@@ -251,7 +253,14 @@ def _checkpointed(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[A
             dataclasses.replace(x, shard=next(it_s)) if isinstance(x, Lazy) else next(it_o)
             for x in invals
         ]
-        sub = Context(ctx.gathers, ctx.prefetch, ctx.uses, ctx.per_use_reduce, warned=ctx.warned)
+        sub = Context(
+            ctx.gathers,
+            ctx.prefetch,
+            ctx.uses,
+            ctx.per_use_reduce,
+            reductions=ctx.reductions,
+            warned=ctx.warned,
+        )
         consts = inner.consts if hasattr(inner, "consts") else ()
         jx = inner.jaxpr if hasattr(inner, "jaxpr") else inner
         return evaluate(jx, consts, args, sub)
@@ -364,9 +373,13 @@ def _at_shared_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], c
     pieces = [p for _, _, p in got]
     fixed = [g.fixed(leaf) for leaf in leaves]
     own: list[jax.Array] = []
+    nth: list[int] = []
     if ctx.per_use_reduce:
         flats = [lax.stop_gradient(f) for f in flats]
         own = [part.piece(lz.shard, g.layout(lz.leaf)) for lz in lazies]
+        # Each reduction of the leaf draws its own stochastic-rounding noise.
+        nth = [ctx.reductions.get(leaf, 0) for leaf in leaves]
+        ctx.reductions.update({leaf: n + 1 for leaf, n in zip(leaves, nth, strict=True)})
 
     def run_flat(acts, flat):
         merged: list[Any] = [None] * len(invals)
@@ -396,8 +409,8 @@ def _at_shared_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], c
         if not ctx.per_use_reduce:
             return [], list(d_flat), list(d_acts), zero(wires), zero(pieces), zero(fixed)
         d_own = [
-            g.reduce(leaf, dw, f, (), None)[0]
-            for leaf, dw, f in zip(leaves, d_flat, fixed, strict=True)
+            g.reduce(leaf, dw, f, (), jnp.int32(n))[0]
+            for leaf, dw, f, n in zip(leaves, d_flat, fixed, nth, strict=True)
         ]
         return d_own, zero(d_flat), list(d_acts), zero(wires), zero(pieces), zero(fixed)
 
