@@ -69,6 +69,16 @@ def test_plan_prints_the_memory_analysis_of_the_step_built_from_arrays(
     assert re.search(r"per node link, each way\s+[0-9.]+ MB", report)
 
 
+def test_plan_with_per_use_shared_gradients(capsys):
+    """`--shared-grad per_use`: the plan names it, and its estimate holds no tied gradient
+    through the backward (the default holds the head's, in bfloat16)."""
+    for shared_grad, held in (("once", True), ("per_use", False)):
+        assert cli.main([*PLAN_FLAGS, "--plan", "--shared-grad", shared_grad]) == 0
+        report = capsys.readouterr().out
+        assert ("tied gradients reduced per use" in report) is not held
+        assert (_bytes(report, "whole_leaves")[0] > 0) is held
+
+
 def test_state_bytes_counts_each_device_s_shard():
     mesh = zpp.make_mesh(2, 4)
     gpt = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, scan=True)

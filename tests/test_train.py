@@ -257,6 +257,11 @@ def _metrics(out):
         (["--grad-block-size", "7"], "error: --grad-block-size 7: ZeroPPConfig.grad_block_size"),
         (["--attn-chunk", "5"], "--attn-chunk 5 does not divide --seq-len 16"),
         (["--loss-chunks", "3"], "--loss-chunks 3 does not divide the vocabulary (256 tokens)"),
+        (["--shared-grad", "twice"], "argument --shared-grad: invalid choice: 'twice'"),
+        (
+            ["--shared-grad", "per_use", "--error-feedback", "node"],
+            "--shared-grad per_use: ZeroPPConfig.shared_grad='per_use' is not allowed",
+        ),
     ],
 )
 def test_cli_bad_flags_give_one_line_and_exit_2(flags, message, capsys, tmp_path):
