@@ -284,24 +284,26 @@ CHUNKS = dict(attn_chunk=8, loss_chunks=4)
 
 
 @pytest.mark.parametrize(
-    "k,scan,remat,chunks",
+    "k,scan,remat,chunks,shared_grad",
     [
-        (2, True, "none", {}),
-        (4, True, "full", {}),
-        (2, False, "full", {}),
-        (4, False, "none", {}),
+        (2, True, "none", {}, "once"),
+        (4, True, "full", {}, "once"),
+        (2, False, "full", {}, "once"),
+        (4, False, "none", {}, "once"),
         # attention in query chunks and the head and loss in vocabulary pieces: loops whose
         # carries vary over the mesh inside the island; with `model`, each piece split
-        (1, True, "full", CHUNKS),
-        (2, True, "full", CHUNKS),
+        (1, True, "full", CHUNKS, "once"),
+        (2, True, "full", CHUNKS, "once"),
+        # the vocabulary-split tied embedding's gradient reduced at each use
+        (2, True, "full", CHUNKS, "per_use"),
     ],
 )
-def test_gpt_unquantized_matches_one_device(k, scan, remat, chunks):
+def test_gpt_unquantized_matches_one_device(k, scan, remat, chunks, shared_grad):
     cfg = dataclasses.replace(GPT_TP, scan=scan, remat=remat, model_parallel=k > 1, **chunks)
     tx = optax.sgd(0.5)
     ref = train_state.TrainState.create(apply_fn=GPT(cfg).apply, params=init_params(cfg, 0), tx=tx)
     mesh = zpp.make_mesh(2, 4 // k, model_size=k)
-    config = zpp.ZeroPPConfig(**EXACT)
+    config = zpp.ZeroPPConfig(**EXACT, shared_grad=shared_grad)
     state = zpp.TrainState.create(
         apply_fn=GPT(cfg).apply, params=init_fn(cfg, 0), tx=tx, mesh=mesh, config=config
     )
