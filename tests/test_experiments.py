@@ -205,7 +205,7 @@ def test_memory_reestimate_keeps_the_measured_columns(tmp_path):
 
     first = memory.main(["--quick", "--out", str(tmp_path)])
     again = memory.main(["--quick", "--reestimate", "--out", str(tmp_path)])
-    assert len(again) == len(first) == 4
+    assert len(again) == len(first) == len(memory.ENGINES) == 6
     for a, b in zip(again, first, strict=True):
         assert a == {
             **b,
@@ -225,3 +225,43 @@ def test_memory_row_sets_the_compiled_step_against_the_estimate():
     # the estimate is of the same size as XLA's figure even for a model this small, where
     # XLA's small temporaries, which it leaves out, weigh the most
     assert 0.5 < row["xla_over_estimate"] < 2.0
+
+
+LIVE_RANGE = """BufferLiveRange:
+  Live ranges at 7 (peak):
+    dus_fusion{}: 100 bytes (cumulative: 100 bytes)
+    loop.param{2}: 100 bytes (cumulative: 200 bytes)
+    other{}: 40 bytes (cumulative: 240 bytes)
+    arg: 8 bytes (cumulative: 248 bytes)
+
+"""
+ASSIGNMENT = """allocation 0: size 8, parameter 0:
+ value: <1 arg @0> (size=8,offset=0): f32[2]{0}
+allocation 1: size 200, preallocated-temp:
+ value: <2 dus_fusion @0> (size=100,offset=50): u16[50]{0}
+ value: <3 loop.param{2} (phi) @0> (size=100,offset=50): u16[50]{0}
+ value: <4 other @0> (size=40,offset=130): f32[10]{0}
+ value: <5 elsewhere @0> (size=50,offset=0): f32[10]{0}
+"""
+
+
+def test_live_peak_counts_each_byte_once():
+    """An in-place update and the loop carry it updates share a buffer (the same offset of
+    the same allocation); XLA's live-range report lists both. `other` overlaps the shared
+    buffer's last 20 bytes, `elsewhere` is not live at the peak."""
+    from memory_live import live_peak_bytes
+
+    assert live_peak_bytes(LIVE_RANGE, ASSIGNMENT) == 8 + (170 - 50)
+    with pytest.raises(ValueError, match="not in the assignment"):
+        live_peak_bytes(LIVE_RANGE.replace("other{}", "ghost{}"), ASSIGNMENT)
+
+
+def test_memory_live_quick_rows(tmp_path):
+    import memory_live
+
+    rows = memory_live.main(["--quick", "--out", str(tmp_path)])
+    assert [r["engine"] for r in rows] == list(memory_live.ENGINES)
+    for r in rows:
+        # what is live at the peak fits in what the heap and the arguments hold
+        assert 0 < r["live_peak_GB"] <= r["total_GB"] + 0.001
+    assert (tmp_path / "memory_live_quick.md").read_text().startswith("# Live bytes")
