@@ -79,7 +79,12 @@ def measure(
     mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:n])
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     batch = jax.ShapeDtypeStruct((n, seq + 1), jnp.int32, sharding=batch_sharding)
-    kw = dict(batch=1, seq=seq, mesh_shape=mesh_shape)
+    kw = dict(
+        batch=1,
+        seq=seq,
+        mesh_shape=mesh_shape,
+        internal_bytes=plan.internal_bytes_for(jax.default_backend(), 2),
+    )
     t = time.perf_counter()
     if engine in ("data parallel", "XLA FSDP"):
         state = baselines.xla_fsdp_state(

@@ -31,11 +31,13 @@ sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, voca
   block         the backward through one block: its weights gathered in the compute
                 dtype (twice with prefetch) and its full float32 weight gradient before it
                 is reduced, (c (1 + prefetch) + 4) Psi_block, plus the block's internals,
-                17 c B S d + (4 + c) B Q h S (its matmuls', norms' and GELU's inputs and
-                outputs, float32 attention scores and compute-dtype probabilities of Q
-                queries), plus the softmax's backward, float32: the gradients of the
-                probabilities and of the scores, 8 B Q h S. Q is `GPTConfig.attn_chunk`
-                (attention in query chunks, one live at a time), or S without chunks
+                17 w B S d + (4 + c) B Q h S (its matmuls', norms' and GELU's inputs and
+                outputs in w bytes: c, but 4 on CPU, where XLA computes bfloat16 in
+                float32 and keeps the results so; float32 attention scores and
+                compute-dtype probabilities of Q queries), plus the softmax's backward,
+                float32: the gradients of the probabilities and of the scores, 8 B Q h S.
+                Q is `GPTConfig.attn_chunk` (attention in query chunks, one live at a
+                time), or S without chunks
   head          the backward through the output head: the embedding gathered again for
                 it, c Psi_rest (not for data parallelism, which holds every weight), and
                 without vocabulary pieces float32 logits and their gradient, 8 B S V; in
@@ -126,10 +128,19 @@ def attention_rows(gpt: GPTConfig, seq: int) -> int:
     return gpt.attn_chunk if 0 < gpt.attn_chunk < seq else seq
 
 
-def block_internals(gpt: GPTConfig, batch: int, seq: int, c: int) -> int:
-    """One block's activations for `batch` sequences of `seq` tokens (module docstring)."""
+def internal_bytes_for(platform: str, compute_bytes: int) -> int:
+    """Bytes per value of a block's internals on `platform`: XLA's CPU compiler computes
+    16-bit matmuls and elementwise ops in float32 and keeps their results so (4); other
+    platforms keep the compute dtype."""
+    return FLOAT if platform == "cpu" else compute_bytes
+
+
+def block_internals(gpt: GPTConfig, batch: int, seq: int, c: int, w: int | None = None) -> int:
+    """One block's activations for `batch` sequences of `seq` tokens, its matmuls' and
+    elementwise values in `w` bytes (default `c`; module docstring)."""
     d, h, q = gpt.d_model, gpt.n_heads, attention_rows(gpt, seq)
-    return batch * seq * 17 * c * d + batch * q * (FLOAT + c) * h * seq
+    w = c if w is None else w
+    return batch * seq * 17 * w * d + batch * q * (FLOAT + c) * h * seq
 
 
 def head_bytes(
@@ -144,13 +155,13 @@ def head_bytes(
     return table + per_piece + 3 * FLOAT * tokens * gpt.d_model
 
 
-def saved_bytes(gpt: GPTConfig, batch: int, seq: int, c: int) -> int:
+def saved_bytes(gpt: GPTConfig, batch: int, seq: int, c: int, w: int | None = None) -> int:
     """What the backward keeps of the forward, by `gpt.remat` (module docstring)."""
     if gpt.remat == "full":
         return gpt.n_layers * c * batch * seq * gpt.d_model
     if gpt.remat == "matmuls":
         return gpt.n_layers * 16 * c * batch * seq * gpt.d_model
-    return gpt.n_layers * block_internals(gpt, batch, seq, c)
+    return gpt.n_layers * block_internals(gpt, batch, seq, c, w)
 
 
 def estimate(
@@ -168,6 +179,7 @@ def estimate(
     prefetch: bool = True,
     replicated: bool = False,
     per_use_reduce: bool = False,
+    internal_bytes: int | None = None,
 ) -> Estimate:
     """The analytic per-device memory of one training step of `GPT(gpt)`.
 
@@ -188,6 +200,8 @@ def estimate(
       replicated: plain data parallelism (every device holds everything).
       per_use_reduce: `ZeroPPConfig.shared_grad="per_use"`: the tied embedding's
         gradient is reduced per use, so the head's is not held through the backward.
+      internal_bytes: bytes per value of a block's matmul outputs and elementwise values
+        (`internal_bytes_for` the platform; None: `compute_bytes`).
 
     Returns:
       The estimate, term by term.
@@ -210,7 +224,7 @@ def estimate(
         bits = 8 * c if weight_bits is None else weight_bits
         scales = FLOAT * padded // weight_block_size if weight_bits is not None else 0
         secondary = (bits * padded // 8 + scales) // local
-    inner = block_internals(gpt, batch, seq, c)
+    inner = block_internals(gpt, batch, seq, c, internal_bytes)
     softmax = 2 * FLOAT * batch * attention_rows(gpt, seq) * gpt.n_heads * seq
     if replicated:
         block, whole = inner + softmax, c * padded + c * rest
@@ -226,7 +240,7 @@ def estimate(
         secondary=secondary,
         whole_leaves=whole,
         whole_sum=c * rest + FLOAT * rest // gpt.loss_chunks,
-        saved=saved_bytes(gpt, batch, seq, c),
+        saved=saved_bytes(gpt, batch, seq, c, internal_bytes),
         block=block,
         head=head,
         update=2 * FLOAT * padded // n,
