@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.reestimate:
         measured = _read_rows(out / f"{name}.csv")
         measured_on = (out / f"{name}.md").read_text().split("\n\n")[1]
+        # a file re-estimated before: keep only what it says of the measurement
+        measured_on = measured_on.removeprefix("Measured: ").split(". Estimate: ")[0]
     for mesh in args.meshes.split(","):
         cmd = [sys.executable, __file__, "--worker", mesh, str(args.seq), *args.sizes.split(",")]
         if args.reestimate:

@@ -215,6 +215,9 @@ def test_memory_reestimate_keeps_the_measured_columns(tmp_path):
         assert a["estimate_GB"] == b["estimate_GB"]  # the same code estimates the same
     text = (tmp_path / "memory_quick.md").read_text()
     assert "Measured: " in text and "Estimate: " in text
+    memory.main(["--quick", "--reestimate", "--out", str(tmp_path)])  # again: one of each
+    text = (tmp_path / "memory_quick.md").read_text()
+    assert text.count("Measured: ") == 1 and text.count("Estimate: ") == 1
 
 
 def test_memory_row_sets_the_compiled_step_against_the_estimate():
