@@ -87,3 +87,40 @@ def shown(path: pathlib.Path) -> str:
 def say_written(paths: Sequence[pathlib.Path]) -> None:
     for p in paths:
         print(f"wrote {shown(p)}")
+
+
+def worker_rows(cmd: Sequence[str], what: str) -> list[dict[str, Any]]:
+    """Runs a worker process `cmd` (without the caller's XLA_FLAGS, so that it asks for its
+    own devices) and returns the JSON rows it prints, one per line, echoing each. Raises
+    SystemExit with the end of its stderr if it fails; `what` names it in that message."""
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=6 * 3600)
+    if proc.returncode:
+        raise SystemExit(f"{what} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for row in rows:
+        print(row, flush=True)
+    return rows
+
+
+def write_table(out: pathlib.Path, name: str, head: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Writes `name.csv` (the rows) and `name.md` (`head`, then the rows as a table) into
+    `out`, and says so."""
+    write_csv(out / f"{name}.csv", rows)
+    table = markdown_table(list(rows[0]), [list(r.values()) for r in rows])
+    write_text(out / f"{name}.md", head + table)
+    say_written([out / f"{name}.md", out / f"{name}.csv"])
+
+
+def worker_or_parent(argv: Sequence[str] | None, worker: Any) -> list[str] | None:
+    """For a script that re-runs itself as `--worker ...`: runs `worker` on the rest of
+    `argv` and returns None when `argv` starts with `--worker`; else returns `argv`
+    (`sys.argv[1:]` when None) for the parent to parse."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        worker(argv[1:])
+        return None
+    return argv

@@ -72,20 +72,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "peak_rss_GB": round(peak_kb * 1024 / 1e9, 2),
         }
     ]
-    out = pathlib.Path(args.out)
     name = "giant_cpu_quick" if args.quick else "giant_cpu"
-    _common.write_csv(out / f"{name}.csv", rows)
-    text = (
+    head = (
         f"# A {rows[0]['params_M']}M-parameter scanned GPT on 8 emulated CPU devices\n\n"
         f"{machine}.\n\n`zeropp-train {' '.join(flags)}` (ZeRO++, 2 x 4 mesh, sharded "
         "init). `step_s`: seconds per step from the trainer's tokens/s (first step, which "
         "compiles, excluded); `wall_s`: the whole process, start-up, compile, the final "
         "evaluation and checkpoint included; `peak_rss_GB`: the trainer process's peak "
         "resident memory (all 8 devices live in it).\n\n"
-        + _common.markdown_table(list(rows[0]), [list(r.values()) for r in rows])
     )
-    _common.write_text(out / f"{name}.md", text)
-    _common.say_written([out / f"{name}.md", out / f"{name}.csv"])
+    _common.write_table(pathlib.Path(args.out), name, head, rows)
     return rows
 
 

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -211,9 +209,8 @@ def _reestimated(measured: list[dict], estimates: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        worker(argv[1:])
+    argv = _common.worker_or_parent(argv, worker)
+    if argv is None:
         return []
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--meshes", default="2x4,16x8", help="meshes, NODESxLOCAL, comma-separated")
@@ -247,14 +244,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cmd = [sys.executable, __file__, "--worker", mesh, str(args.seq), *args.sizes.split(",")]
         if args.reestimate:
             cmd.append("--estimate-only")
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=6 * 3600)
-        if proc.returncode:
-            raise SystemExit(f"memory.py: the {mesh} worker failed:\n{proc.stderr[-3000:]}")
-        for line in proc.stdout.splitlines():
-            if line.startswith("{"):
-                rows.append(json.loads(line))
-                print(rows[-1], flush=True)
+        rows += _common.worker_rows(cmd, f"memory.py: the {mesh} worker")
     run = f"`python experiments/memory.py {' '.join(argv)}`, {time.time() - started:.0f} s. "
     if args.reestimate:
         rows = _reestimated(measured, rows)

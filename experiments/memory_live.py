@@ -24,7 +24,6 @@ import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -120,9 +119,8 @@ def worker(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        worker(argv[1:])
+    argv = _common.worker_or_parent(argv, worker)
+    if argv is None:
         return []
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mesh", default="16x8", help="NODESxLOCAL (16x8)")
@@ -137,23 +135,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     _common.request_cpu_devices(8)
     machine = _common.machine_line()  # before this run writes anything into the tree
     started = time.time()
-    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as dump:
         cmd = [sys.executable, __file__, "--worker", args.mesh, str(args.seq), dump]
-        cmd += [args.engines, *args.sizes.split(",")]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=6 * 3600)
-        if proc.returncode:
-            raise SystemExit(f"memory_live.py: the worker failed:\n{proc.stderr[-3000:]}")
-        for line in proc.stdout.splitlines():
-            if line.startswith("{"):
-                rows.append(json.loads(line))
-                print(rows[-1], flush=True)
-    out = pathlib.Path(args.out)
+        rows = _common.worker_rows([*cmd, args.engines, *args.sizes.split(",")], "the worker")
     name = "memory_live_quick" if args.quick else f"memory_live_{args.mesh}"
-    _common.write_csv(out / f"{name}.csv", rows)
     run = f"`python experiments/memory_live.py {' '.join(argv)}`, {time.time() - started:.0f} s."
-    text = (
+    head = (
         f"# Live bytes at XLA's peak against its heap\n\n{machine}.\n\n{run} "
         "`total_GB` is `memory.py`'s: arguments + temporaries + outputs not donated + code "
         "by `compiled.memory_analysis()`, the temporaries being the heap XLA lays its "
@@ -161,10 +148,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "(arguments included), each buffer's bytes once; `estimate_GB` is "
         "`zeropp_jax.train.plan.estimate`. Compile only; the worker's XLA flags dump the "
         "compiled module as text and change nothing else.\n\n"
-        + _common.markdown_table(list(rows[0]), [list(r.values()) for r in rows])
     )
-    _common.write_text(out / f"{name}.md", text)
-    _common.say_written([out / f"{name}.md", out / f"{name}.csv"])
+    _common.write_table(pathlib.Path(args.out), name, head, rows)
     return rows
 
 
