@@ -360,6 +360,6 @@ def test_readme_shows_the_help_the_parser_prints(monkeypatch):
         "zeropp-train --help`"
     )
     # What the issue asked of it: what the program does, and examples of the common runs.
-    assert shown.split("\n\n")[1].startswith("Train a byte-level GPT")
+    assert shown.split("\n\n")[1].startswith("Train a GPT on your own text (--data)")
     for example in ("--engine zero3", "--resume", "--num-processes 2", "zeropp_jax.launch"):
         assert example in flags.EPILOG

@@ -1,4 +1,5 @@
-"""`zeropp-train`: train a byte-level GPT on the Python standard library with ZeRO++.
+"""`zeropp-train`: train a GPT with ZeRO++ on your own text or on the Python standard
+library.
 
 With no arguments it runs an embedded default: on a machine without an accelerator, 8
 emulated CPU devices as a 2 x 4 `('node', 'local')` mesh, the full ZeRO++ configuration,
@@ -10,6 +11,10 @@ Run `zeropp-train --help` for the flags. Under `jax.distributed` (`--coordinator
 `--num-processes`, `--process-id`; `--distributed` to auto-detect a cluster; or started by
 `python -m zeropp_jax.launch`) each host is one node of the mesh (under the loopback
 launcher, each process) and each process feeds only its own rows of every batch.
+
+`--data PATH` trains on your own corpus (text files, directories, globs, nanoGPT `.bin`
+token files; `zeropp_jax.train.corpus`), tokenized by `--tokenizer` (bytes or a Hugging
+Face `tokenizer.json`); the model's vocabulary follows the tokenizer.
 
 Outputs under `--out`: `run.json` (the flags), `metrics.jsonl` (one line per step and per
 evaluation), `summary.json`, and `checkpoints/step_<n>`.
@@ -95,11 +100,12 @@ def eval_loss(state, batch):
     return loss_fn(state.apply_fn, state.params, batch)
 
 
-def _fingerprint(rows) -> int:
-    """CRC-32 of a global batch's bytes: a cheap record of the data position."""
+def _fingerprint(starts) -> int:
+    """CRC-32 of where a global batch's windows start: a cheap record of the data position,
+    the same in every process."""
     import numpy as np
 
-    return zlib.crc32(np.ascontiguousarray(rows).tobytes())
+    return zlib.crc32(np.ascontiguousarray(starts, dtype=np.int64).tobytes())
 
 
 # --------------------------------------------------------------------------------- main
@@ -176,8 +182,10 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
     if is_main:
         check_writable(out)
 
-    corpus = data.load_corpus(max_bytes=args.max_corpus_mb * 2**20)
-    entropy = data.unigram_entropy(corpus.train)
+    from zeropp_jax.train import corpus as user_corpus
+
+    corpus = user_corpus.from_flags(args)  # bad data is reported before anything compiles
+    entropy = data.unigram_entropy(corpus.train, args.vocab_size)
     gpt = gpt_config(args)
     model = GPT(gpt)
     # Sharded init: the parameters are made shard by shard where they live (the unsharded
@@ -215,13 +223,14 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
 
     sharding = data.batch_sharding(mesh)
     eval_set = [
-        data.make_global_batch(data.local_rows(b, sharding), sharding, args.batch)
-        for b in data.eval_batches(
+        data.make_global_batch(rows, sharding, args.batch)
+        for rows in data.eval_batches(
             corpus.val,
             seed=args.seed,
             num_batches=args.eval_batches,
             batch_size=args.batch,
             seq_len=args.seq_len,
+            rows=data.process_rows(sharding, args.batch),
         )
     ]
     # Compile ahead of time here, so that a config the engine rejects at trace time is
@@ -303,14 +312,21 @@ def _train(run: _Run) -> int:
     run.state = None  # the loop owns the state from here (the step may donate it)
     tokens_per_step = args.batch * args.seq_len
 
+    own_rows = data.process_rows(run.sharding, args.batch)
+
     def make_batch(step: int):
-        # Every process draws the whole global batch (cheap) and keeps its own rows; the
-        # fingerprint is of the global batch, so it is the same for any process count.
-        rows = data.sample_batch(
-            run.corpus.train, seed=args.seed, step=step, batch_size=args.batch, seq_len=args.seq_len
+        # Every process draws the window starts of the whole global batch (cheap) and reads
+        # only its own rows; the fingerprint is of the starts, so it is the same for any
+        # process count.
+        starts = data.batch_starts(
+            len(run.corpus.train),
+            seed=args.seed,
+            step=step,
+            batch_size=args.batch,
+            seq_len=args.seq_len,
         )
-        local = data.local_rows(rows, run.sharding)
-        return _fingerprint(rows), data.make_global_batch(local, run.sharding, args.batch)
+        local = data.windows(run.corpus.train, starts[own_rows], args.seq_len + 1)
+        return _fingerprint(starts), data.make_global_batch(local, run.sharding, args.batch)
 
     def evaluate() -> float:
         return float(np.mean([float(run.compiled_eval(state, b)) for b in run.eval_set]))
@@ -352,12 +368,14 @@ def _train(run: _Run) -> int:
     )
     say = bar.write if run.main else (lambda _msg: None)
     shape = " x ".join(str(n) for n in run.mesh.shape.values())
+    unit = run.corpus.unit
     say(
         f"{run.param_count / 1e6:.2f}M parameters on a {shape} {tuple(run.mesh.axis_names)} "
         f"mesh of {jax.default_backend()} devices; "
         f"config {config_text(run.config)}; corpus {len(run.corpus.train) / 1e6:.1f}M train "
-        f"/ {len(run.corpus.val) / 1e6:.2f}M val bytes, unigram entropy "
-        f"{run.entropy:.3f} nats ({data.bits(run.entropy):.2f} bits) per byte; out {run.out}"
+        f"/ {len(run.corpus.val) / 1e6:.2f}M val {unit}s ({run.corpus.description}), "
+        f"unigram entropy {run.entropy:.3f} nats ({data.bits(run.entropy):.2f} bits) per "
+        f"{unit}; out {run.out}"
     )
 
     train_loss = val_loss = float("nan")
@@ -422,10 +440,14 @@ def _train(run: _Run) -> int:
             for name, lg in ledgers.items()
         }
     wall = time.time() - run.t0
+    per_byte = run.corpus.bytes_per_token
+    bpb = data.bits(val_loss) / per_byte if per_byte else None
     summary = {
         "steps": args.steps,
         "final_train_loss": train_loss,
         "final_val_loss": val_loss,
+        "val_bits_per_byte": bpb,
+        "unit": unit,
         "unigram_entropy_nats": run.entropy,
         "tokens_per_s": rate,
         "wall_s": wall,
@@ -437,8 +459,10 @@ def _train(run: _Run) -> int:
             json.dump(summary, f, indent=1)
         lines = [
             "",
-            f"final train loss {train_loss:.4f}, val loss {val_loss:.4f} nats/byte "
-            f"({data.bits(val_loss):.3f} bits); unigram entropy {run.entropy:.4f} nats "
+            f"final train loss {train_loss:.4f}, val loss {val_loss:.4f} nats/{unit} "
+            f"({data.bits(val_loss):.3f} bits"
+            + (f"; {bpb:.3f} bits per byte of text" if bpb and unit != "byte" else "")
+            + f"); unigram entropy {run.entropy:.4f} nats "
             f"({data.bits(run.entropy):.3f} bits)",
             f"{rate:,.0f} tokens/s (first step excluded), wall time {wall:.1f} s, "
             + (

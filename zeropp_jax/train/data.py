@@ -1,4 +1,5 @@
-"""The training corpus: the Python standard library's own `.py` files, as bytes.
+"""The built-in corpus (the Python standard library's own `.py` files, as bytes) and the
+batches of every corpus.
 
 Every machine with Python has it, so convergence runs need no download. Files are read at
 run time from the running interpreter's stdlib directory (site-packages excluded), in
@@ -7,8 +8,9 @@ chosen per file by a stable hash of its relative path, so it never shares a file
 training split and does not move when the budget changes.
 
 Batches are a pure function of `(seed, step)`: a resumed run continues at the same data
-position without replaying anything, and every process of a multi-host job can compute
-the same global batch and keep only its own rows.
+position without replaying anything, and every process of a multi-host job draws the same
+window starts for the global batch and reads only its own rows. The user's own corpus
+(`--data`) is read by `zeropp_jax.train.corpus`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import queue
 import sysconfig
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,19 +37,26 @@ _EVAL_STREAM = 2**31 - 1  # seeds the validation batches apart from the training
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """Byte tokens of the two splits, each the concatenation of its files.
+    """Token ids of the two splits, each the concatenation of its files.
 
     Attributes:
-      train: int32 ids, shape (n_train,).
-      val: int32 ids, shape (n_val,).
+      train: ids, shape (n_train,): an int32 array, or `zeropp_jax.train.corpus.Tokens`.
+      val: ids, shape (n_val,), likewise.
       train_files: relative paths in the training split.
       val_files: relative paths in the validation split.
+      unit: what one id is, "byte" or "token" (for the messages).
+      bytes_per_token: UTF-8 bytes of validation text per id (for bits per byte), or None
+        where unknown (token files read without a tokenizer).
+      description: where the corpus came from, for the start-up line.
     """
 
-    train: np.ndarray
-    val: np.ndarray
+    train: Any
+    val: Any
     train_files: tuple[str, ...]
     val_files: tuple[str, ...]
+    unit: str = "byte"
+    bytes_per_token: float | None = 1.0
+    description: str = "the standard library's .py files"
 
 
 def stdlib_dir() -> str:
@@ -117,42 +127,93 @@ def load_corpus(
     )
 
 
-def unigram_entropy(tokens: np.ndarray, vocab_size: int = 256) -> float:
-    """Entropy of the byte frequencies, in nats per token (the loss of the best model that
-    ignores context). Divide by ln 2 for bits."""
+ENTROPY_SAMPLE = 2**24
+"""Tokens of a `Tokens` corpus (its first ones) that `unigram_entropy` counts."""
+
+
+def unigram_entropy(tokens: Any, vocab_size: int = 256) -> float:
+    """Entropy of the token frequencies, in nats per token (the loss of the best model that
+    ignores context). Divide by ln 2 for bits. Of a `Tokens` corpus, its first
+    `ENTROPY_SAMPLE` tokens are counted."""
+    if not isinstance(tokens, np.ndarray):
+        tokens = tokens.slice(0, min(len(tokens), ENTROPY_SAMPLE))
     counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
 
+def check_windows(corpus: Corpus, seq_len: int) -> None:
+    """Raises `ValueError` unless both splits hold a window of `seq_len + 1` tokens."""
+    for name, tokens in (("training", corpus.train), ("validation", corpus.val)):
+        if len(tokens) < seq_len + 1:
+            raise ValueError(
+                f"--seq-len {seq_len}: the {name} split holds {len(tokens)} {corpus.unit}"
+                f"{'s' * (len(tokens) != 1)}, "
+                f"fewer than one sequence of seq_len + 1 = {seq_len + 1}; give more data or a "
+                "shorter --seq-len"
+            )
+
+
+def batch_starts(num_tokens: int, *, seed: int, step: int, batch_size: int, seq_len: int):
+    """Where each window of one step's global batch starts: int64 (batch_size,), a pure
+    function of `(seed, step)` and the corpus length."""
+    span = seq_len + 1
+    if num_tokens < span:
+        raise ValueError(
+            f"sample_batch: {num_tokens} tokens cannot hold a window of seq_len + 1 = {span}."
+        )
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, num_tokens - span + 1, size=batch_size)
+
+
+def windows(tokens: Any, starts: np.ndarray, span: int) -> np.ndarray:
+    """int32 (len(starts), span): the `span` tokens from each start (an array or `Tokens`)."""
+    if isinstance(tokens, np.ndarray):
+        return tokens[starts[:, None] + np.arange(span)].astype(np.int32)
+    return tokens.windows(starts, span)
+
+
 def sample_batch(
-    tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int
+    tokens: Any,
+    *,
+    seed: int,
+    step: int,
+    batch_size: int,
+    seq_len: int,
+    rows: slice = slice(None),
 ) -> np.ndarray:
     """The batch for one step: `batch_size` windows of `seq_len + 1` consecutive tokens.
 
     A pure function of `(seed, step)` (and the corpus): window starts are drawn from a
     generator seeded by both, so any step's batch can be computed without the ones before.
+    Only the windows of `rows` are read (a process of a multi-host job reads its own).
 
     Returns:
-      int32 array of shape (batch_size, seq_len + 1) — the global batch.
+      int32 array of shape (batch_size, seq_len + 1) — the global batch — or its `rows`.
     """
-    span = seq_len + 1
-    if len(tokens) < span:
-        raise ValueError(
-            f"sample_batch: {len(tokens)} tokens cannot hold a window of seq_len + 1 = {span}."
-        )
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(tokens) - span + 1, size=batch_size)
-    return tokens[starts[:, None] + np.arange(span)]
+    starts = batch_starts(len(tokens), seed=seed, step=step, batch_size=batch_size, seq_len=seq_len)
+    return windows(tokens, starts[rows], seq_len + 1)
 
 
 def eval_batches(
-    tokens: np.ndarray, *, seed: int, num_batches: int, batch_size: int, seq_len: int
+    tokens: Any,
+    *,
+    seed: int,
+    num_batches: int,
+    batch_size: int,
+    seq_len: int,
+    rows: slice = slice(None),
 ) -> list[np.ndarray]:
-    """A fixed list of validation batches (the same at every evaluation of a run)."""
+    """A fixed list of validation batches (the same at every evaluation of a run); of
+    each, the `rows` only."""
     return [
         sample_batch(
-            tokens, seed=seed, step=_EVAL_STREAM - i, batch_size=batch_size, seq_len=seq_len
+            tokens,
+            seed=seed,
+            step=_EVAL_STREAM - i,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            rows=rows,
         )
         for i in range(num_batches)
     ]

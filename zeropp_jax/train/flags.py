@@ -23,8 +23,9 @@ REMATS = ("none", "matmuls", "full")
 
 
 DESCRIPTION = """\
-Train a byte-level GPT on the source files of the Python standard library (read from this
-interpreter's install; nothing is downloaded) with ZeRO++: int8 weight gathers, a
+Train a GPT on your own text (--data), or by default a byte-level GPT on the source files
+of the Python standard library (read from this interpreter's install; nothing is
+downloaded), with ZeRO++: int8 weight gathers, a
 secondary weight shard inside each node (hpZ) and int4 two-hop gradient reduction, over a
 ('node', 'local') mesh. Without an accelerator it emulates 8 CPU devices as a 2 x 4 mesh.
 At the end it prints the losses, the throughput and one step's communication ledger
@@ -36,6 +37,12 @@ examples:
   zeropp-train                                   the embedded default (minutes on a CPU)
   zeropp-train --engine zero3 --out runs/zero3   the same run with plain ZeRO-3
   zeropp-train --engine xla-fsdp                 XLA's own FSDP (jax.jit, sharded state)
+  zeropp-train --data my_texts/ --out runs/mine  train on a folder of your own text files
+  zeropp-sample --out runs/mine --prompt "Once"  sample from that run's last checkpoint
+  zeropp-tokenize --data my_texts/ --vocab-size 4096 --out tok
+                                                 a BPE learned offline, and token files:
+                                                 --data tok/train.bin --val-data tok/val.bin
+                                                 --tokenizer tok/tokenizer.json
   zeropp-train --model 1.3b --remat full --batch 8 --plan
                                                  memory per device and bytes per step of a
                                                  1.3B-parameter step, compiled from shapes
@@ -112,9 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         choices=MODELS,
         default="tiny",
-        help="GPT size: tiny (byte-level, 0.8M parameters) or GPT-3's shapes with GPT-2's "
-        "vocabulary (50304 tokens): 125m, 350m, 1.3b, 6.7b (tiny); the four flags below "
-        "override its width, depth, heads and context",
+        help="GPT size: tiny (0.8M parameters with bytes) or GPT-3's shapes: 125m, 350m, "
+        "1.3b, 6.7b (tiny); the four flags below override its width, depth, heads and "
+        "context; the vocabulary follows the tokenizer (see --vocab-size)",
     )
     g.add_argument("--d-model", type=_positive, default=None, help="residual width (tiny: 128)")
     g.add_argument("--n-layers", type=_positive, default=None, help="transformer blocks (tiny: 4)")
@@ -190,7 +197,41 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-corpus-mb",
         type=_positive,
         default=16,
-        help="MB of stdlib source read at start-up (16)",
+        help="MB of stdlib source read at start-up, for the built-in corpus (16)",
+    )
+
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data",
+        action="append",
+        metavar="PATH",
+        default=None,
+        help="train on your own data: a text file, a directory of them (read recursively; "
+        "binary files skipped), a glob, or nanoGPT token files (*.bin: flat uint16 ids, "
+        "memory-mapped; give --vocab-size or --tokenizer); repeatable (default: the "
+        "standard library's .py files)",
+    )
+    g.add_argument(
+        "--val-data",
+        action="append",
+        metavar="PATH",
+        default=None,
+        help="the validation split, as --data (default: 5%% of the --data files by a hash "
+        "of their path, or the last 5%% of the tokens where that leaves a split empty)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default="bytes",
+        metavar="bytes|PATH",
+        help="bytes (ids 0-255) or a Hugging Face tokenizer.json (needs the tokenizers "
+        "package: pip install 'zeropp_jax[data]'; zeropp-tokenize trains one) (bytes)",
+    )
+    g.add_argument(
+        "--vocab-size",
+        type=_positive,
+        default=None,
+        help="the model's vocabulary (default: the tokenizer's, rounded up to a multiple of "
+        "128; with the built-in corpus, the GPT-3 sizes keep GPT-2's 50304)",
     )
 
     g = p.add_argument_group("mesh and ZeRO++")
@@ -381,6 +422,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.weight_bits, args.grad_bits, args.no_hierarchical = None, None, True
         args.grad_node_bits, args.weight_delta_bits = "same", None
         args.weight_local_bits, args.error_feedback = "same", "none"
+    _check_data(args)
     _resolve_model(args)
     if args.d_model % args.n_heads:
         raise UsageError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
@@ -425,15 +467,55 @@ def _check_model_parallel(args: argparse.Namespace) -> None:
         )
 
 
+VOCAB_MULTIPLE = 128
+"""A tokenizer's vocabulary is rounded up to a multiple of this for the model (as nanoGPT
+pads GPT-2's 50257 to 50304), so that it divides into vocabulary pieces and shards."""
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    """Checks the data flags that need no reading: the paths exist, the tokenizer parses,
+    a token file has a vocabulary. Sets `args.tokenizer_vocab` (the tokenizer's ids)."""
+    from zeropp_jax.train.corpus import TOKEN_FILE_SUFFIX, resolve_paths
+    from zeropp_jax.train.tokenizer import BYTES, load_tokenizer
+
+    if args.val_data and not args.data:
+        raise UsageError("--val-data needs --data (the built-in corpus has its own split)")
+    try:
+        args.tokenizer_vocab = load_tokenizer(args.tokenizer).vocab_size
+        for flag, specs in (("--data", args.data), ("--val-data", args.val_data)):
+            if specs:
+                files, _ = resolve_paths(specs, flag)
+                bins = [p for p, _ in files if p.endswith(TOKEN_FILE_SUFFIX)]
+                if bins and args.tokenizer == BYTES and args.vocab_size is None:
+                    raise UsageError(
+                        f"{flag} {bins[0]}: a token file holds ids of some tokenizer; give "
+                        "--vocab-size N or the --tokenizer it was made with"
+                    )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _resolve_model(args: argparse.Namespace) -> None:
-    """Fills the model flags left unset from the `--model` preset and sets `vocab_size`."""
+    """Fills the model flags left unset from the `--model` preset and sets `vocab_size`:
+    `--vocab-size`, else the tokenizer's rounded up to `VOCAB_MULTIPLE`; with the built-in
+    corpus in bytes, the preset's (GPT-2's 50304 for the GPT-3 sizes, 256 for tiny)."""
     from zeropp_jax.train.model import PRESETS
+    from zeropp_jax.train.tokenizer import BYTES
 
     preset = PRESETS[args.model]
     for name in ("d_model", "n_layers", "n_heads", "seq_len", "attn_chunk", "loss_chunks"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
-    args.vocab_size = preset.vocab_size
+    if args.vocab_size is None:
+        if not args.data and args.tokenizer == BYTES:
+            args.vocab_size = preset.vocab_size
+        else:
+            args.vocab_size = -(-args.tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    elif args.vocab_size < args.tokenizer_vocab:
+        raise UsageError(
+            f"--vocab-size {args.vocab_size} is below the {args.tokenizer_vocab} ids of "
+            f"--tokenizer {args.tokenizer}; give at least that many, or leave it out"
+        )
     if 0 < args.attn_chunk < args.seq_len and args.seq_len % args.attn_chunk:
         raise UsageError(
             f"--attn-chunk {args.attn_chunk} does not divide --seq-len {args.seq_len}; pick "

@@ -25,6 +25,9 @@ _RUN_IDENTITY = (
     "batch",
     "seed",
     "max_corpus_mb",
+    "data",
+    "val_data",
+    "tokenizer",
 )
 
 
