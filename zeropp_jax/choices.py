@@ -95,6 +95,8 @@ def gather_spec(
         dtype=jnp.dtype(config.compute_dtype),
         codec=codec,
         flat_ring=resolve_grad_reduce(config, platform) == "ring",
+        grad_rotation_block_size=config.grad_hop1_rotation_block_size,
+        grad_hop2_rotation_block_size=config.grad_hop2_rotation_block_size,
     )
 
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zeropp_jax.quant import XLA_CODEC, Codec, check_bits
+from zeropp_jax.rotation import effective_rotation_block, rotate_blocks
 from zeropp_jax.wire import (
     AxisName,
     Format,
@@ -436,6 +437,8 @@ def two_hop_reduce_scatter(
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
     key: jax.Array | None = None,
+    rotation_block_size: int | None = None,
+    node_rotation_block_size: int | None = None,
 ) -> jax.Array:
     """qgZ: hierarchical gradient reduction, hop 1 over `local`, hop 2 over `node`.
 
@@ -445,6 +448,13 @@ def two_hop_reduce_scatter(
     never straddle two pieces either), all-to-alls it across nodes, dequantizes and sums.
     A hop over an axis of size 1 is skipped (no collective, no quantization event), so a
     1-node mesh does exactly one quantized intra-node hop.
+
+    A hop given a rotation block size rotates what it quantizes with the block Hadamard
+    rotation (`zeropp_jax.rotation`, inside each quantization block) and rotates the
+    float32 sum back after it; the rotation is linear, so the sum is that of the
+    unrotated values up to float32 rounding, and each value is still quantized once per
+    hop. When both hops rotate alike in the same blocks, the partial sums stay rotated
+    between the hops (hop 2 quantizes hop 1's rotated sums directly).
 
     Args:
       x: per-device gradient `(N * rows, ...)` in partition order.
@@ -457,9 +467,16 @@ def two_hop_reduce_scatter(
       codec: block quantization implementation.
       key: a PRNG key, the same on every device, for stochastic rounding on both hops
         (see `hop_keys`); None rounds to nearest.
+      rotation_block_size: Hadamard rotation block on hop 1 (a power of two dividing
+        `block_size`; smaller blocks of a small piece cap it), or None for no rotation.
+      node_rotation_block_size: the same for hop 2 (dividing `node_block_size`).
 
     Returns:
       float32 `(rows, ...)`: the sum over all devices of this device's piece.
+
+    Raises:
+      ValueError: for a rotation on an unquantized hop, or a rotation block that is not a
+        power of two dividing its hop's quantization block.
     """
     return _two_hop(
         x,
@@ -473,6 +490,8 @@ def two_hop_reduce_scatter(
         local_axis=local_axis,
         codec=codec,
         key=key,
+        rotation_block_size=rotation_block_size,
+        node_rotation_block_size=node_rotation_block_size,
     )[0]
 
 
@@ -489,12 +508,14 @@ def _two_hop(
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
     key: jax.Array | None = None,
+    rotation_block_size: int | None = None,
+    node_rotation_block_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """`two_hop_reduce_scatter` that adds `hop1_residual` to what hop 1 quantizes and
     `hop2_residual` to what hop 2 quantizes, and returns `(sum, new_hop1_residual,
-    new_hop2_residual)`: what each quantization lost, None for a hop given None. With two
-    Nones it is the plain reduction; `feedback.two_hop_reduce_scatter_feedback` checks the
-    residuals before calling it."""
+    new_hop2_residual)`: what each quantization lost (in the unrotated basis), None for a
+    hop given None. With two Nones it is the plain reduction;
+    `feedback.two_hop_reduce_scatter_feedback` checks the residuals before calling it."""
     nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
     n = nn * ll
     if x.shape[0] % n:
@@ -506,8 +527,19 @@ def _two_hop(
     rows_shape = (x.shape[0] // n, *x.shape[1:])
     rows2_shape = (nn * rows_shape[0], *rows_shape[1:])  # this device's secondary pieces
     piece = math.prod(rows_shape)
+    if bits is None and rotation_block_size is not None and ll > 1:
+        raise ValueError(
+            "two_hop_reduce_scatter: a rotation on hop 1, which is unquantized; pass "
+            "rotation_block_size=None or give hop 1 a format."
+        )
+    if node_bits is None and node_rotation_block_size is not None and nn > 1:
+        raise ValueError(
+            "two_hop_reduce_scatter: a rotation on hop 2, which is unquantized; pass "
+            "node_rotation_block_size=None or give hop 2 a format."
+        )
     new1 = new2 = None
     received = None  # hop 1's quantized partial sums, as they arrive
+    rb1 = None  # hop 1's rotation block, None without rotation
     partial = x
     if ll > 1 and bits is None:
         partial = reduce_scatter_quantized(
@@ -518,10 +550,15 @@ def _two_hop(
         c1 = x if hop1_residual is None else x.astype(jnp.float32) + hop1_residual
         blocks = shard_blocks(c1, n, block_size)  # (N, nbp, bs): every piece in its own blocks
         nbp, bs = blocks.shape[1:]
+        rb1 = effective_rotation_block(rotation_block_size, bs)
+        if rb1 is not None:
+            blocks = rotate_blocks(blocks, rb1)
         values, scales = _quantize(blocks.reshape(ll, nn * nbp, bs), bits, codec, k1)
         if hop1_residual is not None:
-            sent = _dequantize(values, scales, bits, jnp.float32, codec)
-            new1 = c1 - unblock(sent.reshape(n, nbp, bs), rows_shape)
+            sent = _dequantize(values, scales, bits, jnp.float32, codec).reshape(n, nbp, bs)
+            if rb1 is not None:
+                sent = rotate_blocks(sent, rb1)
+            new1 = c1 - unblock(sent, rows_shape)
         received = (
             lax.all_to_all(values, local_axis, 0, 0),
             lax.all_to_all(scales, local_axis, 0, 0),
@@ -529,14 +566,19 @@ def _two_hop(
 
     def summed() -> jax.Array:  # hop 1's float32 partial sums, (num_nodes * rows, ...)
         total = codec.dequantize_sum_blocks(*received, bits=bits)
+        if rb1 is not None:
+            total = rotate_blocks(total, rb1)
         return total.reshape(nn, -1)[:, :piece].reshape(rows2_shape)
 
+    node_bs = effective_block_size(piece, node_block_size)
+    rb2 = effective_rotation_block(node_rotation_block_size, node_bs) if nn > 1 else None
     fuse = (
         received is not None
         and nn > 1
         and node_bits is not None
         and hop2_residual is None
-        and effective_block_size(piece, node_block_size) == bs
+        and node_bs == bs
+        and rb1 == rb2
     )
     if received is not None and not fuse:
         partial = summed()
@@ -552,7 +594,7 @@ def _two_hop(
         )
         return out.reshape(rows_shape), new1, None
     check_bits(node_bits, node_block_size)
-    if fuse:  # dequantize, sum and re-quantize in one pass, hop 1's blocks kept
+    if fuse:  # dequantize, sum and re-quantize in one pass, hop 1's blocks (and basis) kept
         kw = {} if k2 is None else {"key": k2}
         v2, s2 = codec.dequantize_sum_quantize_blocks(
             *received, bits=bits, out_bits=node_bits, **kw
@@ -560,11 +602,18 @@ def _two_hop(
         v2, s2 = v2.reshape(nn, nbp, -1), s2.reshape(nn, nbp)
     else:  # re-block the partial sums for hop 2, piece by piece
         c2 = partial if hop2_residual is None else partial.astype(jnp.float32) + hop2_residual
-        v2, s2 = _quantize(shard_blocks(c2, nn, node_block_size), node_bits, codec, k2)
+        blocks2 = shard_blocks(c2, nn, node_block_size)
+        if rb2 is not None:
+            blocks2 = rotate_blocks(blocks2, rb2)
+        v2, s2 = _quantize(blocks2, node_bits, codec, k2)
         if hop2_residual is not None:
             sent = _dequantize(v2, s2, node_bits, jnp.float32, codec)
+            if rb2 is not None:
+                sent = rotate_blocks(sent, rb2)
             new2 = c2 - unblock(sent, rows_shape)
     rv2 = lax.all_to_all(v2, node_axis, 0, 0)
     rs2 = lax.all_to_all(s2, node_axis, 0, 0)
-    out = unblock(codec.dequantize_sum_blocks(rv2, rs2, bits=node_bits)[None], rows_shape)
-    return out, new1, new2
+    total = codec.dequantize_sum_blocks(rv2, rs2, bits=node_bits)
+    if rb2 is not None:
+        total = rotate_blocks(total, rb2)
+    return unblock(total[None], rows_shape), new1, new2

@@ -102,6 +102,21 @@ class ZeroPPConfig:
         travel as the gradient of `state.params["zeropp_error_feedback"]`, which
         `apply_gradients` takes out before the optimizer; see the docs' concepts page.
         Needs the two-hop reduction with that hop quantized.
+      grad_rotation: rotate what gradient hop 1 (over `local`) quantizes with a block
+        Hadamard rotation (beyond ZeRO++, as SDP4Bit does; see `zeropp_jax.rotation`), and
+        rotate the float32 sum back after the hop. It spreads a block's outliers over the
+        block, so the block's quantization step shrinks; each value is still quantized
+        once per hop and the wire bytes do not change. Needs `grad_bits`. The rotation
+        runs as XLA operations beside the quantizer, with either `kernels` choice: the
+        Pallas kernels quantize the rotated blocks, they do not fuse the rotation.
+      grad_node_rotation: the same for gradient hop 2 (over `node`); "same" (default)
+        follows `grad_rotation`. Needs the hop quantized (`grad_node_bits`). With error
+        feedback the residual is what the rotated quantization lost, rotated back.
+      grad_rotation_block_size: values per rotation block, a power of two that divides
+        the quantization block size of every rotated hop; None (default) rotates each
+        whole quantization block (the hop's block size must then be a power of two).
+        A piece smaller than a block uses a smaller block (see
+        `wire.effective_block_size`) and rotates within it.
       error_feedback_decay: factor on the residual carried to the next step (LoCo's decay),
         in (0, 1]; 1 is plain error feedback.
       error_feedback_reset: zero the residuals every this many steps; 0 (default) never.
@@ -162,6 +177,9 @@ class ZeroPPConfig:
     error_feedback: str | None = None
     error_feedback_decay: float = 1.0
     error_feedback_reset: int = 0
+    grad_rotation: bool = False
+    grad_node_rotation: bool | str = SAME
+    grad_rotation_block_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_bits("weight_bits", self.weight_bits, WEIGHT_BITS)
@@ -188,6 +206,7 @@ class ZeroPPConfig:
                 "only with hpZ; set hierarchical=True.",
             )
         self._check_error_feedback()
+        self._check_rotation()
         if self.grad_node_bits != SAME:
             _check_bits("grad_node_bits", self.grad_node_bits, (SAME, *GRAD_BITS))
         if not isinstance(self.stochastic_rounding, bool):
@@ -261,6 +280,65 @@ class ZeroPPConfig:
                 "Set grad_bits (or grad_node_bits) to a format.",
             )
 
+    def _check_rotation(self) -> None:
+        if not isinstance(self.grad_rotation, bool):
+            _fail("grad_rotation", self.grad_rotation, "True or False")
+        if self.grad_node_rotation != SAME and not isinstance(self.grad_node_rotation, bool):
+            _fail("grad_node_rotation", self.grad_node_rotation, f"True, False or {SAME!r}")
+        size = self.grad_rotation_block_size
+        if size is not None and (
+            isinstance(size, bool) or not isinstance(size, int) or size < 2 or size & (size - 1)
+        ):
+            _fail(
+                "grad_rotation_block_size",
+                size,
+                "None or a power of two >= 2 (the Hadamard matrix exists for those sizes)",
+                "Typical values are 64, 128 or 256.",
+            )
+        hop2 = self.grad_node_rotation if self.grad_node_rotation != SAME else self.grad_rotation
+        if size is not None and not (self.grad_rotation or hop2):
+            _fail(
+                "grad_rotation_block_size",
+                size,
+                "None when no gradient hop rotates",
+                "Set grad_rotation=True (or grad_node_rotation=True), or leave the size None.",
+            )
+        hops = (
+            ("grad_rotation", self.grad_rotation, self.grad_bits, "grad_bits"),
+            ("grad_node_rotation", hop2, self.grad_hop2_bits, "grad_node_bits"),
+        )
+        for field, on, fmt, fmt_field in hops:
+            if on and fmt is None:
+                _fail(
+                    field,
+                    True,
+                    f"False when that hop is unquantized ({fmt_field} resolves to None)",
+                    f"Give the hop a format ({fmt_field}) or turn its rotation off.",
+                )
+        blocks = (
+            ("grad_block_size", self.grad_rotation, self.grad_block_size),
+            ("grad_node_block_size", hop2, self.grad_hop2_block_size),
+        )
+        for field, on, block in blocks:
+            if not on:
+                continue
+            if size is None and block & (block - 1):
+                _fail(
+                    field,
+                    block,
+                    "a power of two when its hop rotates whole blocks "
+                    "(grad_rotation_block_size=None)",
+                    "Use e.g. 64, 128 or 256, or set grad_rotation_block_size to a power of "
+                    "two that divides it.",
+                )
+            if size is not None and block % size:
+                _fail(
+                    field,
+                    block,
+                    f"a multiple of grad_rotation_block_size={size} when its hop rotates",
+                    "Rotation blocks sit inside quantization blocks; pick sizes that divide.",
+                )
+
     @classmethod
     def zero3(cls, **overrides: Any) -> ZeroPPConfig:
         """Plain ZeRO-3: unquantized flat gathers and reduce-scatter, no secondary shard."""
@@ -284,6 +362,24 @@ class ZeroPPConfig:
         if self.grad_node_block_size is None:
             return self.grad_block_size
         return self.grad_node_block_size
+
+    @property
+    def grad_hop1_rotation_block_size(self) -> int | None:
+        """Rotation block of gradient hop 1: None when `grad_rotation` is off, else
+        `grad_rotation_block_size` (None resolved to `grad_block_size`)."""
+        if not self.grad_rotation:
+            return None
+        return self.grad_rotation_block_size or self.grad_block_size
+
+    @property
+    def grad_hop2_rotation_block_size(self) -> int | None:
+        """Rotation block of gradient hop 2: None when `grad_node_rotation` (with "same"
+        resolved to `grad_rotation`) is off, else `grad_rotation_block_size` (None
+        resolved to `grad_hop2_block_size`)."""
+        on = self.grad_rotation if self.grad_node_rotation == SAME else self.grad_node_rotation
+        if not on:
+            return None
+        return self.grad_rotation_block_size or self.grad_hop2_block_size
 
     @property
     def weight_stage2_bits(self) -> int | str | None:

@@ -52,6 +52,8 @@ def two_hop_reduce_scatter_feedback(
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
     key: jax.Array | None = None,
+    rotation_block_size: int | None = None,
+    node_rotation_block_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """`collectives.two_hop_reduce_scatter` with error feedback on either hop.
 
@@ -73,6 +75,10 @@ def two_hop_reduce_scatter_feedback(
       codec: block quantization implementation.
       key: a PRNG key, the same on every device, for stochastic rounding on both hops
         (see `collectives.hop_keys`); None rounds to nearest.
+      rotation_block_size: Hadamard rotation block on hop 1, or None (see
+        `collectives.two_hop_reduce_scatter`). The residual is what the rotated
+        quantization lost, rotated back: `c - rotate(dequant(q(rotate(c))))`.
+      node_rotation_block_size: the same for hop 2.
 
     Returns:
       `(sum, new_hop1_residual, new_hop2_residual)`: float32 `(rows, ...)`, the sum over all
@@ -101,4 +107,6 @@ def two_hop_reduce_scatter_feedback(
         local_axis=local_axis,
         codec=codec,
         key=key,
+        rotation_block_size=rotation_block_size,
+        node_rotation_block_size=node_rotation_block_size,
     )

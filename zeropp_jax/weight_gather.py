@@ -66,6 +66,9 @@ class GatherSpec:
       codec: block quantization implementation.
       flat_ring: run an unquantized 16-bit flat reduction as a ring of collective-permutes
         (True) or as one reduce-scatter in `dtype` (False); see `ZeroPPConfig.grad_reduce`.
+      grad_rotation_block_size: Hadamard rotation block of gradient hop 1 (two-hop only),
+        or None for no rotation; see `zeropp_jax.rotation`.
+      grad_hop2_rotation_block_size: the same for gradient hop 2.
     """
 
     hierarchical: bool
@@ -80,12 +83,15 @@ class GatherSpec:
     dtype: jnp.dtype
     codec: Codec = XLA_CODEC
     flat_ring: bool = True
+    grad_rotation_block_size: int | None = None
+    grad_hop2_rotation_block_size: int | None = None
 
     def two_hop_kwargs(self) -> dict[str, Any]:
         """The keywords of `collectives.two_hop_reduce_scatter` for this reduction.
 
-        The format and block size of both hops, and the codec; the same keywords serve
-        `feedback.two_hop_reduce_scatter_feedback`. Add `key` for stochastic rounding.
+        The format, block size and rotation of both hops, and the codec; the same
+        keywords serve `feedback.two_hop_reduce_scatter_feedback`. Add `key` for
+        stochastic rounding.
         """
         return dict(
             bits=self.grad_bits,
@@ -93,6 +99,8 @@ class GatherSpec:
             node_bits=self.grad_hop2_bits,
             node_block_size=self.grad_hop2_block_size,
             codec=self.codec,
+            rotation_block_size=self.grad_rotation_block_size,
+            node_rotation_block_size=self.grad_hop2_rotation_block_size,
         )
 
 
@@ -297,10 +305,12 @@ def reduce_gradient(
       ...)`, and the new error-feedback residuals (`()` without them).
     """
     if not spec.two_hop:
-        if key is not None or spec.grad_hop2_bits != spec.grad_bits or residuals:
+        rotated = (spec.grad_rotation_block_size, spec.grad_hop2_rotation_block_size)
+        if key is not None or spec.grad_hop2_bits != spec.grad_bits or residuals or any(rotated):
             raise ValueError(
-                "stochastic rounding, a hop-2 format other than grad_bits and error feedback "
-                "need the two-hop gradient reduction (GatherSpec.two_hop=True)."
+                "stochastic rounding, a hop-2 format other than grad_bits, error feedback "
+                "and the gradient rotation need the two-hop gradient reduction "
+                "(GatherSpec.two_hop=True)."
             )
         dx = flat_reduce_scatter(
             g,
