@@ -16,9 +16,11 @@ GAP_THRESHOLD_PCT = 1.0
 REFERENCE = "zero3"
 
 
-def events_stem(bits: int) -> str:
-    """Name of the events study at `bits` (its folder and file stem)."""
-    return "events" if bits == 4 else f"events_b{bits}"
+def events_stem(bits: int, rotation: int | None = None) -> str:
+    """Name of the events study at `bits`, with its events rotated by a block Hadamard of
+    `rotation` values or not (None): its folder and file stem."""
+    stem = "events" if bits == 4 else f"events_b{bits}"
+    return stem if rotation is None else f"{stem}_rot{rotation}"
 
 
 def _gap_pct(value: float, reference: float | None) -> float | None:
@@ -273,10 +275,10 @@ def write_main(out: pathlib.Path, runs, data, status, schedule, argv) -> list[pa
 
 
 def write_events(
-    out: pathlib.Path, runs, data, status, schedule, argv, bits: int
+    out: pathlib.Path, runs, data, status, schedule, argv, bits: int, rotation: int | None = None
 ) -> list[pathlib.Path]:
     rows = event_rows(runs, data)
-    stem = events_stem(bits)
+    stem = events_stem(bits, rotation)
     paths = [out / f"convergence_{stem}.md", out / f"convergence_{stem}.csv"]
     paths.append(out / f"convergence_{stem}.png")
     inj = dataclasses.replace(runs[-1].injection, bits=bits)
@@ -284,7 +286,15 @@ def write_events(
     text += (
         f"ZeRO-3 (`--zero3`) with k extra {inj.bits}-bit quantization events (blocks of "
         f"{inj.block_size}, mode `{inj.mode}`) applied to the global gradient before the "
-        "optimizer; k = 0 is plain ZeRO-3.\n\n" + events_markdown(rows)
+        "optimizer; k = 0 is plain ZeRO-3."
+        + (
+            ""
+            if rotation is None
+            else f" Every event rotates its blocks with a block Hadamard rotation of {rotation} "
+            "values before quantizing and back after (`--events-rotation`)."
+        )
+        + "\n\n"
+        + events_markdown(rows)
     )
     if rows and any(r["k"] == 0 for r in rows):
         k = first_break(rows)

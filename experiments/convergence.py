@@ -178,12 +178,14 @@ class Injection:
     block_size: int = 256
     mode: str = "ring"
     seed: int = 0
+    rotation: int | None = None  # Hadamard rotation block of every event, None: plain
 
     def flags(self) -> list[str]:
         return [
             *("--inject-k", str(self.k), "--inject-bits", str(self.bits)),
             *("--inject-block-size", str(self.block_size), "--inject-mode", self.mode),
             *("--inject-seed", str(self.seed)),
+            *([] if self.rotation is None else ["--inject-rotation", str(self.rotation)]),
         ]
 
 
@@ -223,15 +225,18 @@ def _relative(path: pathlib.Path) -> pathlib.Path:
 # ------------------------------------------------------------------ injected train step
 
 
-def event_runs(ks: Sequence[int], bits: int, seed: int) -> list[Run]:
-    """The runs of the events study; k = 0 (no event, whatever the bits) is shared."""
+def event_runs(ks: Sequence[int], bits: int, seed: int, rotation: int | None = None) -> list[Run]:
+    """The runs of the events study; k = 0 (no event, whatever the bits and rotation) is
+    shared."""
     return [
         Run(
             name=f"k{k}",
             label=f"k = {k}",
-            path=f"events/k{k}" if k == 0 else f"{events_stem(bits)}/k{k}",
+            path=f"events/k{k}" if k == 0 else f"{events_stem(bits, rotation)}/k{k}",
             trainer_flags=EVENT_BASE,
-            injection=Injection(k=k, bits=bits if k else 4, seed=seed),
+            injection=Injection(
+                k=k, bits=bits if k else 4, seed=seed, rotation=rotation if k else None
+            ),
         )
         for k in ks
     ]
@@ -258,6 +263,7 @@ def injected_train_step(injection: Injection):
             block_size=injection.block_size,
             key=jax.random.fold_in(jax.random.key(injection.seed), state.step),
             mode=injection.mode,
+            rotation_block_size=injection.rotation,
         )
         return state.apply_gradients(grads=grads), {"loss": value}
 
@@ -291,6 +297,7 @@ def worker(argv: Sequence[str]) -> int:
     p.add_argument("--inject-block-size", type=int, default=256)
     p.add_argument("--inject-mode", default="ring")
     p.add_argument("--inject-seed", type=int, default=0)
+    p.add_argument("--inject-rotation", type=int, default=None)
     a = p.parse_args(argv[:cut])
     injection = Injection(
         k=a.inject_k,
@@ -298,6 +305,7 @@ def worker(argv: Sequence[str]) -> int:
         block_size=a.inject_block_size,
         mode=a.inject_mode,
         seed=a.inject_seed,
+        rotation=a.inject_rotation,
     )
     with trainer_step(injection):
         return cli.main(argv[cut + 1 :])
@@ -485,6 +493,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--n-heads", type=int, default=None, help="override the attention heads")
     p.add_argument("--events-steps", type=int, default=None, help="steps of the events study")
     p.add_argument("--events-bits", type=int, choices=(2, 4, 8), default=4)
+    p.add_argument(
+        "--events-rotation",
+        type=int,
+        default=None,
+        help="rotate every event's blocks with a block Hadamard of this many values",
+    )
     p.add_argument("--budget-min", type=float, default=80.0, help="wall-time bound per study")
     p.add_argument("--in-process", action="store_true", help="train in this process")
     p.add_argument(
@@ -559,17 +573,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         log(f"main study: {status} in {time.time() - start:.0f} s")
     if args.study in ("events", "all"):
-        (root / events_stem(args.events_bits)).mkdir(parents=True, exist_ok=True)
-        log = logger(root / events_stem(args.events_bits) / "log.txt")
-        log(f"events study ({args.events_bits} bits) on {machine}")
-        runs = event_runs(ks, args.events_bits, events_schedule.seed)
+        stem = events_stem(args.events_bits, args.events_rotation)
+        (root / stem).mkdir(parents=True, exist_ok=True)
+        log = logger(root / stem / "log.txt")
+        log(f"events study ({stem}) on {machine}")
+        runs = event_runs(ks, args.events_bits, events_schedule.seed, args.events_rotation)
         start = time.time()
         status = run_study(
             runs,
             events_schedule,
             root,
             lambda data, status: write_events(
-                out, runs, data, status, events_schedule, argv, args.events_bits
+                out,
+                runs,
+                data,
+                status,
+                events_schedule,
+                argv,
+                args.events_bits,
+                args.events_rotation,
             ),
             deadline=start + 60 * args.budget_min,
             in_process=args.in_process,

@@ -47,7 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from zeropp_jax import quant  # noqa: E402
+from zeropp_jax import quant, rotation  # noqa: E402
 
 DISTRIBUTIONS = ("gaussian", "student_t3", "outliers")
 METHODS = ("ring", "one_shot", "two_hop_g8", "two_hop_g16")
@@ -78,11 +78,22 @@ def make_shards(dist: str, n: int, size: int, seed: int) -> np.ndarray:
     return ((common + own) * np.float32(1 / math.sqrt(2))).astype(np.float32)
 
 
-def round_trip(x: jax.Array, *, bits: int, block_size: int) -> jax.Array:
+def round_trip(
+    x: jax.Array, *, bits: int, block_size: int, rotation_block_size: int | None = None
+) -> jax.Array:
     """One quantization event: block-quantize `x` (1-d, size divisible by `block_size`)
-    with the reference quantizer and dequantize it back to float32."""
-    values, scales = quant.quantize_blocks(x.reshape(-1, block_size), bits=bits)
-    return quant.dequantize_blocks(values, scales, bits=bits).reshape(x.shape)
+    with the reference quantizer and dequantize it back to float32. With
+    `rotation_block_size`, the blocks are rotated by the block Hadamard rotation
+    (`zeropp_jax.rotation`) before quantizing and rotated back after, as a rotated
+    gradient hop does."""
+    blocks = x.reshape(-1, block_size)
+    if rotation_block_size is not None:
+        blocks = rotation.rotate_blocks(blocks, rotation_block_size)
+    values, scales = quant.quantize_blocks(blocks, bits=bits)
+    out = quant.dequantize_blocks(values, scales, bits=bits)
+    if rotation_block_size is not None:
+        out = rotation.rotate_blocks(out, rotation_block_size)
+    return out.reshape(x.shape)
 
 
 def _relative(approx: jax.Array, exact: jax.Array) -> jax.Array:
@@ -191,6 +202,7 @@ def inject_quantization_events(
     key: jax.Array,
     mode: str = "ring",
     spread: float = 1.0,
+    rotation_block_size: int | None = None,
 ) -> Any:
     """`grads` (a pytree of float arrays) after `k` extra quantization events.
 
@@ -219,6 +231,8 @@ def inject_quantization_events(
       mode: "ring" or "shifted".
       spread: `ring` only: a worker's gradient noise relative to its share of the
         gradient (0 gives identical workers).
+      rotation_block_size: rotate every event's blocks with the block Hadamard rotation
+        of this size before quantizing and back after (see `round_trip`); None: plain.
 
     Returns:
       A pytree like `grads`.
@@ -233,15 +247,18 @@ def inject_quantization_events(
         x = jnp.asarray(leaf).astype(jnp.float32).reshape(-1)
         padded = quant.num_blocks(x.size, block_size) * block_size
         x = jnp.pad(x, (0, padded - x.size))
+        qdq = functools.partial(
+            round_trip, bits=bits, block_size=block_size, rotation_block_size=rotation_block_size
+        )
         if mode == "ring":
-            y = _ring_events(x, k, bits, block_size, leaf_key, spread)
+            y = _ring_events(x, k, qdq, leaf_key, spread)
         else:
-            y = _shifted_events(x, k, bits, block_size, leaf_key)
+            y = _shifted_events(x, k, qdq, block_size, leaf_key)
         out.append(y[: leaf.size].reshape(leaf.shape).astype(leaf.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _ring_events(x, k, bits, block_size, key, spread):
+def _ring_events(x, k, qdq, key, spread):
     k = jnp.asarray(k, jnp.int32)
     share = x / (k + 1).astype(jnp.float32)
     noise_scale = spread * jnp.sqrt(jnp.mean(x * x)) / (k + 1).astype(jnp.float32)
@@ -252,7 +269,7 @@ def _ring_events(x, k, bits, block_size, key, spread):
     def body(j, carry):
         partial, given = carry  # ring partial sum; exact sum of the contributions so far
         c = jnp.where(j == k, x - given, contribution(j))
-        partial = round_trip(partial, bits=bits, block_size=block_size) + c
+        partial = qdq(partial) + c
         return partial, given + c
 
     first = jnp.where(k == 0, x, contribution(0))
@@ -260,11 +277,11 @@ def _ring_events(x, k, bits, block_size, key, spread):
     return partial
 
 
-def _shifted_events(x, k, bits, block_size, key):
+def _shifted_events(x, k, qdq, block_size, key):
     def body(j, y):
         shift = jax.random.randint(jax.random.fold_in(key, j), (), 0, block_size)
         rolled = jnp.roll(y, shift)
-        return jnp.roll(round_trip(rolled, bits=bits, block_size=block_size), -shift)
+        return jnp.roll(qdq(rolled), -shift)
 
     return jax.lax.fori_loop(0, jnp.asarray(k, jnp.int32), body, x)
 

@@ -18,6 +18,8 @@ ENGINES = ("zeropp", "zero3", "xla-fsdp")
 """The values of `--engine`."""
 MODELS = ("tiny", "125m", "350m", "1.3b", "6.7b")
 """The values of `--model` (the keys of `zeropp_jax.train.model.PRESETS`)."""
+PRESETS = ("zeropp", "beyond")
+"""The values of `--preset` (`ZeroPPConfig()` and `ZeroPPConfig.beyond()`)."""
 REMATS = ("none", "matmuls", "full")
 """The values of `--remat` (`zeropp_jax.train.model.REMAT`)."""
 
@@ -37,6 +39,8 @@ examples:
   zeropp-train                                   the embedded default (minutes on a CPU)
   zeropp-train --engine zero3 --out runs/zero3   the same run with plain ZeRO-3
   zeropp-train --engine xla-fsdp                 XLA's own FSDP (jax.jit, sharded state)
+  zeropp-train --preset beyond                   int4 weight deltas, int8 / int4 rotated
+                                                 gradient hops (ZeroPPConfig.beyond())
   zeropp-train --data my_texts/ --out runs/mine  train on a folder of your own text files
   zeropp-sample --out runs/mine --prompt "Once"  sample from that run's last checkpoint
   zeropp-tokenize --data my_texts/ --vocab-size 4096 --out tok
@@ -259,6 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
         "counts data-parallel ranks per node (1)",
     )
     g.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default="zeropp",
+        help="the defaults of the flags below: zeropp (the paper's ZeRO++) or beyond "
+        "(ZeroPPConfig.beyond(): int4 weight deltas across nodes, int8 / int4 gradient hops "
+        "with the Hadamard rotation); flags given explicitly still override it (zeropp)",
+    )
+    g.add_argument(
         "--weight-bits",
         type=_bits,
         default=8,
@@ -288,6 +300,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=_hop_bits,
         default="same",
         help="bits on the intra-node weight gather stage, 8/4/2/none/same (same: as sent)",
+    )
+    g.add_argument(
+        "--grad-rotation",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="rotate each gradient hop's quantization blocks with a block Hadamard "
+        "rotation before quantizing, and back after the sum (off)",
+    )
+    g.add_argument(
+        "--grad-node-rotation",
+        choices=("same", "on", "off"),
+        default="same",
+        help="the rotation on gradient hop 2 (across nodes): on, off or same (same: "
+        "--grad-rotation)",
+    )
+    g.add_argument(
+        "--grad-rotation-block-size",
+        type=_positive,
+        default=None,
+        help="values per rotation block, a power of two dividing each rotated hop's block "
+        "size (default: the whole quantization block)",
     )
     g.add_argument(
         "--error-feedback",
@@ -350,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="plain ZeRO-3 baseline: no quantization, no secondary shard "
         "(overrides --weight-bits, --grad-bits, --grad-node-bits, --weight-local-bits, "
-        "--weight-delta-bits, --error-feedback, --no-hierarchical); the same as --engine zero3",
+        "--weight-delta-bits, --error-feedback, --grad-rotation, --no-hierarchical); the "
+        "same as --engine zero3",
     )
     g.add_argument(
         "--engine",
@@ -406,9 +440,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def preset_defaults(preset: str) -> dict[str, object]:
+    """The flag values (as `argparse` destinations) that give `ZeroPPConfig`'s preset
+    `preset` ("zeropp": the defaults, "beyond": `ZeroPPConfig.beyond()`)."""
+    from zeropp_jax.config import ZeroPPConfig
+
+    cfg = ZeroPPConfig() if preset == "zeropp" else ZeroPPConfig.beyond()
+    return dict(
+        weight_bits=cfg.weight_bits,
+        weight_block_size=cfg.weight_block_size,
+        no_hierarchical=not cfg.hierarchical,
+        grad_bits=cfg.grad_bits,
+        grad_block_size=cfg.grad_block_size,
+        grad_node_bits=cfg.grad_node_bits,
+        weight_delta_bits=cfg.weight_delta_bits,
+        weight_local_bits=cfg.weight_local_bits,
+        error_feedback=cfg.error_feedback or "none",
+        grad_rotation=cfg.grad_rotation,
+        grad_node_rotation={True: "on", False: "off"}.get(cfg.grad_node_rotation, "same"),
+        grad_rotation_block_size=cfg.grad_rotation_block_size,
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses and checks flags that need no devices. Raises `UsageError`."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    preset = parser.parse_known_args(argv)[0].preset
+    parser.set_defaults(**preset_defaults(preset))
+    args = parser.parse_args(argv)
+    if args.preset != "zeropp" and (args.zero3 or args.engine not in (None, "zeropp")):
+        raise UsageError(
+            f"--preset {args.preset} configures this library's ZeRO++ engine; drop --zero3 "
+            "or --engine, or the preset"
+        )
     if args.zero3 and args.engine not in (None, "zero3"):
         raise UsageError(f"--zero3 and --engine {args.engine} disagree; give one of them")
     args.engine = "zero3" if args.zero3 else (args.engine or "zeropp")
@@ -422,6 +486,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.weight_bits, args.grad_bits, args.no_hierarchical = None, None, True
         args.grad_node_bits, args.weight_delta_bits = "same", None
         args.weight_local_bits, args.error_feedback = "same", "none"
+        args.grad_rotation, args.grad_node_rotation = False, "same"
+        args.grad_rotation_block_size = None
     _check_data(args)
     _resolve_model(args)
     if args.d_model % args.n_heads:
@@ -591,4 +657,7 @@ def _config(args: argparse.Namespace):
         compute_dtype=args.compute_dtype,
         kernels=args.kernels,
         shared_grad=args.shared_grad,
+        grad_rotation=args.grad_rotation,
+        grad_node_rotation={"on": True, "off": False}.get(args.grad_node_rotation, "same"),
+        grad_rotation_block_size=args.grad_rotation_block_size,
     )
