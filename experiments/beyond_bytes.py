@@ -51,6 +51,15 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
         "ZeroPPConfig.beyond(): int4 deltas, int8 / int4 rotated grad hops",
         ("--preset", "beyond"),
     ),
+    "zeropp_delta2": ("ZeRO++ with int2 weight deltas", ("--weight-delta-bits", "2")),
+    "beyond_d2": (
+        "int2 deltas, int8 / int4 rotated grad hops",
+        ("--preset", "beyond", "--weight-delta-bits", "2"),
+    ),
+    "beyond_d2_ef": (
+        "int2 deltas, int8 / int4 rotated grad hops, error feedback on the node hop",
+        ("--preset", "beyond", "--weight-delta-bits", "2", "--error-feedback", "node"),
+    ),
     "beyond_ef": (
         "beyond + error feedback on the node hop",
         ("--preset", "beyond", "--error-feedback", "node"),
