@@ -262,6 +262,11 @@ def _metrics(out):
             ["--shared-grad", "per_use", "--error-feedback", "node"],
             "--shared-grad per_use: ZeroPPConfig.shared_grad='per_use' is not allowed",
         ),
+        (["--preset", "beyond", "--zero3"], "--preset beyond configures this library's ZeRO++"),
+        (
+            ["--grad-rotation", "--grad-bits", "none", "--grad-node-bits", "4"],
+            "--grad-rotation: ZeroPPConfig.grad_rotation=True is not allowed",
+        ),
     ],
 )
 def test_cli_bad_flags_give_one_line_and_exit_2(flags, message, capsys, tmp_path):
@@ -345,6 +350,20 @@ def test_cli_chunks_train_like_the_whole_model(tmp_path):
     want = [r["loss"] for r in _metrics(tmp_path / "whole") if "loss" in r]
     assert len(got) == len(want) == 2
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_preset_flags_give_the_config_presets():
+    import zeropp_jax as zpp
+    from zeropp_jax.train.flags import parse_args, zeropp_config
+
+    assert zeropp_config(parse_args([])) == zpp.ZeroPPConfig()
+    assert zeropp_config(parse_args(["--preset", "beyond"])) == zpp.ZeroPPConfig.beyond()
+    # Explicit flags override the preset's defaults.
+    got = zeropp_config(parse_args(["--preset", "beyond", "--grad-node-bits", "2"]))
+    assert got == zpp.ZeroPPConfig.beyond(grad_node_bits=2)
+    got = zeropp_config(parse_args(["--preset", "beyond", "--grad-node-rotation", "off"]))
+    assert got == zpp.ZeroPPConfig.beyond(grad_node_rotation=False)
+    assert zeropp_config(parse_args(["--zero3", "--grad-rotation"])) == zpp.ZeroPPConfig.zero3()
 
 
 def test_readme_shows_the_help_the_parser_prints(monkeypatch):
