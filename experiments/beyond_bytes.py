@@ -82,6 +82,13 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 QUICK_VARIANTS = ("zero3", "beyond")
 COLUMNS = ("variant", "seed", "commit", "per_link_M", "val_loss", "zero3_val_loss", "gap_pct")
+FULL_STUDY = (
+    "python experiments/beyond_bytes.py --d-model 256 --n-layers 6 --n-heads 8 --steps 2000 "
+    "--seeds 0,1,2 --variants zero3,zeropp,zeropp_delta4,beyond,beyond_d2,beyond_n2_ef "
+    "--budget-min 6000"
+)
+"""The issue's study: the 4.8M-parameter GPT, 2000 steps, three seeds (hours per run on
+2 CPU cores)."""
 GOAL_LINK_M = 0.20
 GOAL_GAP_PCT = 1.0
 
@@ -186,6 +193,9 @@ def markdown(
                 verdict,
                 *([f"Not finished: {unfinished}"] if unfinished else []),
                 "Commands (from the repository root):\n\n```\n" + commands + "\n```",
+                "The full study (the 4.8M-parameter GPT, 2000 steps, three seeds):\n\n```\n"
+                + FULL_STUDY
+                + "\n```",
             ]
         )
         + "\n"

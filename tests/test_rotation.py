@@ -31,12 +31,13 @@ def butterfly_bound(x, block):
     return np.broadcast_to(1.01 * stages * EPS * mass, (*x.shape[:-1], x.shape[-1] // block, block))
 
 
-@pytest.mark.parametrize("block", [2, 64])
-def test_rotation_is_the_orthonormal_hadamard_and_its_own_inverse(block):
-    h = rotation.hadamard_matrix(block)
-    np.testing.assert_array_equal(h, h.T)
-    np.testing.assert_allclose(h @ h, np.eye(block), rtol=0, atol=1e-12)
-    assert np.all(np.abs(np.abs(h) * math.sqrt(block) - 1) < 1e-12)  # entries +-1/sqrt(b)
+def test_rotation_is_the_orthonormal_hadamard_and_its_own_inverse():
+    for size in (2, 8, 64):
+        h = rotation.hadamard_matrix(size)
+        np.testing.assert_array_equal(h, h.T)
+        np.testing.assert_allclose(h @ h, np.eye(size), rtol=0, atol=1e-12)
+        assert np.all(np.abs(np.abs(h) * math.sqrt(size) - 1) < 1e-12)  # entries +-1/sqrt(n)
+    block = 64
     x = np.asarray(jax.random.t(jax.random.key(block), 2.0, (3, 4 * block)), np.float32)
     rotate = jax.jit(rotation.rotate_blocks, static_argnums=1)
     got = np.asarray(rotate(jnp.asarray(x), block), np.float64)

@@ -65,6 +65,8 @@ CONFIG_LABELS = {
     "zeropp": "ZeRO++",
     "zeropp_noprefetch": "ZeRO++, no prefetch",
     "zeropp_delta4": "ZeRO++ with int4 weight deltas",
+    "beyond": "ZeroPPConfig.beyond()",
+    "beyond_d2": "ZeroPPConfig.beyond(weight_delta_bits=2)",
 }
 
 
