@@ -85,9 +85,8 @@ def first_array(xs: Sequence[Any]) -> Any:
     return next((x for x in xs if is_inexact(x)), None)
 
 
-def unpiece_layer(g: Gathers, leaf: int, flat: jax.Array) -> jax.Array:
-    """One layer of a stacked leaf, gathered, in its original per-layer shape."""
-    layout = g.layout(leaf)
+def unpiece_layer(g: Gathers, layout: part.LeafLayout, flat: jax.Array) -> jax.Array:
+    """One layer of a stacked leaf stored as `layout`, gathered, in its per-layer shape."""
     return tensor_parallel.place_gathered(
         part.unpiece(flat, layout, g.num_devices, True), layout, layer=True
     )

@@ -1,32 +1,129 @@
 """A scan over stacked weights, rebuilt so that each iteration gathers its own layer.
 
-`layered_scan` runs inside the shard_map island (see `placement`): layer i + 1 is gathered
-while layer i computes, and the backward loop, owned by a custom VJP, re-gathers layer i,
-takes the VJP of the loop body at the carry that entered it and reduces layer i's
-gradients inside the iteration. Shapes are per device.
+`run` executes a `Loop` inside the shard_map island (see `placement`). Forward and backward
+are one `pipelined` loop each, whose lookahead is 0 (each iteration gathers its own layer)
+or 1 (iteration i gathers the layer after i, in the order the loop runs, while layer i
+computes), in the manner of JAX's `tests/overlap_test.py`. The backward loop is owned by a
+custom VJP: it keeps what the model's own remat keeps of each layer (everything without
+remat; what `nn.remat` / `jax.checkpoint`'s policy saves), minus the gathered weights and
+whatever is computed from them alone, which it re-gathers (hpZ: from the kept secondary
+shard, over `local` only) and recomputes; it reduces layer i's gradients inside the
+iteration. Shapes are per device.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
+from jax._src import api, core
+from jax._src.interpreters import partial_eval as pe
 
 from zeropp_jax import dataflow
+from zeropp_jax import partition as part
 
 
-def layered_scan(
-    g: dataflow.Gathers,
-    lazies: list[Any],
-    body: core.ClosedJaxpr,
-    num_carry: int,
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """One scan over stacked weights, as the interpreter found it.
+
+    Attributes:
+      gathers: how each leaf is gathered and reduced.
+      leaves: per stacked weight of the scan's `xs`, its parameter leaf.
+      layouts: per stacked weight, the layout its layers are stored in (the leaf's, or the
+        one `relayout` made); one layer is `layout.shape[1:]`.
+      chains: per stacked weight, the layout-only equations that turn one gathered layer
+        into what the scan's body reads.
+      body: the scan's body, `(consts, carry, xs) -> (carry, ys)`.
+      num_carry: carries of the scan.
+      length: layers.
+      lazy_pos: positions in `xs` of the stacked weights.
+      plain_pos: positions in `xs` of the other operands.
+      lookahead: 1 to gather one layer ahead of the one that computes, else 0.
+    """
+
+    gathers: dataflow.Gathers
+    leaves: tuple[int, ...]
+    layouts: tuple[part.LeafLayout, ...]
+    chains: tuple[tuple[tuple[Any, dict[str, Any]], ...], ...]
+    body: core.ClosedJaxpr
+    num_carry: int
+    length: int
+    lazy_pos: tuple[int, ...]
+    plain_pos: tuple[int, ...]
+    lookahead: int
+
+    def weights(self, flats: list[jax.Array]) -> list[jax.Array]:
+        """One layer's gathered flats -> the weights the body reads."""
+        return [
+            dataflow.apply_chain(dataflow.unpiece_layer(self.gathers, lo, f), chain)
+            for lo, f, chain in zip(self.layouts, flats, self.chains, strict=True)
+        ]
+
+    def xs(self, plain: list[Any], weights: list[Any]) -> list[Any]:
+        """The body's `xs` of one layer from its plain operands and weights."""
+        out: list[Any] = [None] * (len(self.lazy_pos) + len(self.plain_pos))
+        for i, x in zip(self.plain_pos, plain, strict=True):
+            out[i] = x
+        for i, w in zip(self.lazy_pos, weights, strict=True):
+            out[i] = w
+        return out
+
+    def kept_whole(self) -> list[bool]:
+        """Per stacked weight, whether its gathered layer is kept for the backward loop
+        (slices of fewer dimensions than a matrix: a collective per vector for a few values
+        otherwise) rather than re-gathered from its secondary shard (hpZ) or shard."""
+        return [len(lo.shape) <= 2 for lo in self.layouts]
+
+
+def pipelined(
+    fetch: Callable[[Any, Any], Any],
+    compute: Callable[[Any, Any, Any], tuple[Any, Any]],
+    carry: Any,
+    tie: Any,
     length: int,
-    lazy_pos: list[int],
-    plain_pos: list[int],
-    prefetch: bool,
+    lookahead: int,
+    reverse: bool,
+) -> tuple[Any, Any]:
+    """`compute(i, carry, fetch(i, after))` for layers i = 0 .. length - 1 (reversed with
+    `reverse`), the outputs stacked by layer.
+
+    With `lookahead` 0 each iteration fetches its own layer once its carry exists. With 1
+    the first layer is fetched before the loop (after `tie`), iteration i fetches the
+    layer that runs next (after the carry entering layer i) and then computes layer i, and
+    the last layer runs after the loop, so nothing is fetched in vain. Outputs are written
+    into whole stacks carried through the loop (concatenating a peeled layer's with the
+    loop's would copy them). Returns `(carry, outputs)`.
+    """
+    step = -1 if reverse else 1
+    first, last = (length - 1, 0) if reverse else (0, length - 1)
+
+    def body(state, i):
+        carry, ahead, outs = state
+        if lookahead:
+            now, ahead = ahead, fetch(i + step, carry)
+        else:
+            now = fetch(i, carry)
+        carry, out = compute(i, carry, now)
+        return (carry, ahead, _put(outs, out, i)), None
+
+    shapes = jax.eval_shape(lambda c: compute(jnp.asarray(first), c, fetch(first, c))[1], carry)
+    outs = _stack_of(shapes, length)
+    ahead = fetch(jnp.asarray(first), tie) if lookahead else ()
+    layers = jnp.arange(length - lookahead) + (lookahead if reverse else 0)
+    (carry, ahead, outs), _ = lax.scan(body, (carry, ahead, outs), layers, reverse=reverse)
+    if lookahead:
+        carry, out = compute(jnp.asarray(last), carry, ahead)
+        outs = _put(outs, out, last)
+    return carry, outs
+
+
+def run(
+    loop: Loop,
     shards: list[jax.Array],
     consts: list[Any],
     init: list[Any],
@@ -34,213 +131,111 @@ def layered_scan(
     fixed: list[Any],
     tie: Any,
 ) -> list[Any]:
-    """The scan, one layer gathered per iteration, with its backward loop owned here.
+    """The scan of `loop`, one layer gathered per iteration; returns its outputs (final
+    carry, then stacked `ys`).
 
-    `shards` are per device `(layers, C / N)`; every other argument is as the scan had it.
-    With `prefetch`, layer 0 is gathered before the loop and iteration i gathers layer
-    i + 1 (issued once layer i's input carry exists, before layer i's compute); the last
-    layer runs after the loop, so no gather is wasted. The backward loop re-gathers layer
-    i's matrices once the cotangent reaching it exists (its vectors are kept from the
-    forward), recomputes the layer from the carry that entered it, and reduces the layer's
-    gradients inside the iteration. Returns the scan's outputs (final carry, then
-    stacked `ys`).
+    Args:
+      loop: the scan.
+      shards: per stacked weight, the per-device stack `(layers, C / N)` of its layers'
+        pieces.
+      consts, init, plain: the scan's constants, initial carry and other `xs`.
+      fixed: per stacked weight, `gathers.fixed(leaf)`.
+      tie: what the first gather waits for (None: nothing).
     """
-    leaves = [lz.leaf for lz in lazies]
-    n_xs = len(lazy_pos) + len(plain_pos)
-    # Slices of fewer dimensions than a matrix are kept gathered for the backward loop (a
-    # collective per vector for a few values each otherwise). Matrices are re-gathered
-    # from their secondary shard (hpZ).
-    small = [len(g.layout(leaf).shape) <= 2 for leaf in leaves]
+    g = loop.gathers
+    whole = loop.kept_whole()
+    split = _Split.of(loop)
+    # How one layer's kept VJP flattens (its treedef and leaf dtypes), set when the forward
+    # is traced and read when the backward is.
+    traced: dict[str, Any] = {}
 
-    def kept(flats, wires):
-        return [f if keep else w for f, w, keep in zip(flats, wires, small, strict=True)]
-
-    carry_dtypes = [jnp.result_type(x) for x in init]
-
-    def unbits(c):
-        return [_from_bits(x, d) for x, d in zip(c, carry_dtypes, strict=True)]
-
-    def step(consts, carry, x_plain, flats):
-        weights = [
-            dataflow.apply_chain(dataflow.unpiece_layer(g, lz.leaf, f), lz.chain)
-            for lz, f in zip(lazies, flats, strict=True)
-        ]
-        xs_i: list[Any] = [None] * n_xs
-        for i, x in zip(plain_pos, x_plain, strict=True):
-            xs_i[i] = x
-        for i, w in zip(lazy_pos, weights, strict=True):
-            xs_i[i] = w
-        out = core.eval_jaxpr(body.jaxpr, body.consts, *consts, *carry, *xs_i)
-        return list(out[:num_carry]), list(out[num_carry:])
-
-    def gathered(pieces, fixed, tie, alternate=False):
-        pieces = dataflow.tie(tie, pieces)
-        wires = [g.wire(leaf, p, f) for leaf, p, f in zip(leaves, pieces, fixed, strict=True)]
+    def fetch(shards, fixed, i, after):
+        """Layer i's `(flats, wires)`, gathered once `after` exists."""
+        pieces = dataflow.tie(after, _take(shards, i))
+        wires = [g.wire(leaf, p, f) for leaf, p, f in zip(loop.leaves, pieces, fixed, strict=True)]
         flats = [
-            g.gather(leaf, p, w, f, alternate)
-            for leaf, p, w, f in zip(leaves, pieces, wires, fixed, strict=True)
+            g.gather(leaf, p, w, f, False)
+            for leaf, p, w, f in zip(loop.leaves, pieces, wires, fixed, strict=True)
         ]
         return flats, wires
 
     def forward(shards, consts, init, plain, fixed, tie, save):
-        """Returns `(carry, ys, saved)`; `saved` (with `save`) holds, per layer, the carry
-        that entered it and its wires, stacked over the layers."""
-        if not prefetch:
+        """`(carry, ys, saved)`; with `save`, `saved` holds per layer (stacked) what its
+        backward reads: the VJP of the layer without its weights, and the wires (or, for
+        `whole` weights, the gathered layer) to re-gather them from."""
 
-            def iteration(c, x):
-                x_plain, pieces = x
-                flats, wires = gathered(pieces, fixed, dataflow.first_array(c))
-                new_c, y = step(consts, c, x_plain, flats)
-                return new_c, (y, (_to_bits(c), kept(flats, wires)) if save else ())
+        def compute(i, c, fetched):
+            flats, wires = fetched
+            x_plain = _take(plain, i)
+            if not save:
+                xs_i = loop.xs(x_plain, loop.weights(flats))
+                out = core.eval_jaxpr(loop.body.jaxpr, loop.body.consts, *consts, *c, *xs_i)
+                return out[: loop.num_carry], (out[loop.num_carry :], ())
+            (new_c, y), vjp = split.vjp(loop.weights(flats), consts, c, x_plain)
+            leaves, traced["tree"] = jax.tree_util.tree_flatten(vjp)
+            traced["dtypes"] = [jnp.result_type(x) for x in leaves]
+            kept = [f if keep else w for f, w, keep in zip(flats, wires, whole, strict=True)]
+            return new_c, (y, (_to_bits(leaves), kept))
 
-            c, (ys, saved) = lax.scan(iteration, init, (plain, shards))
-            return c, ys, saved
-
-        # Iteration i runs layer i and gathers layer i + 1; the last layer runs after the
-        # loop. Each layer's xs are read from the whole stacks and its outputs written
-        # into whole stacks carried through the loop (slicing the stacks around a shorter
-        # loop, and concatenating its outputs with the last layer's, would copy them).
-        def layer(i, c, flats, wires):
-            new_c, y = step(consts, c, _take(plain, i), flats)
-            return new_c, y, ((_to_bits(c), kept(flats, wires)) if save else ())
-
-        flats, wires = gathered(_take(shards, 0), fixed, tie)
-        shapes = jax.eval_shape(layer, 0, init, flats, wires)
-        ys, saved = (_stack_of(shapes[k], length) for k in (1, 2))
-
-        def iteration(carry, i):
-            c, flats, wires, ys, saved = carry
-            next_flats, next_wires = gathered(_take(shards, i + 1), fixed, dataflow.first_array(c))
-            new_c, y, kept_i = layer(i, c, flats, wires)
-            return (new_c, next_flats, next_wires, _put(ys, y, i), _put(saved, kept_i, i)), None
-
-        carry = (init, flats, wires, ys, saved)
-        (c, flats, wires, ys, saved), _ = lax.scan(iteration, carry, jnp.arange(length - 1))
-        last_c, y, kept_last = layer(length - 1, c, flats, wires)
-        return last_c, _put(ys, y, length - 1), _put(saved, kept_last, length - 1)
-
-    def vjp_layer(consts, c_in, x_plain, flats, g_c, g_y):
-        """Cotangents of one layer: carry, plain xs, gathered flats, inexact consts."""
-        ci = [k for k, x in enumerate(consts) if dataflow.is_inexact(x)]
-        xi = [k for k, x in enumerate(x_plain) if dataflow.is_inexact(x)]
-
-        def f(c, flats, cs, xs):
-            full_c, full_x = list(consts), list(x_plain)
-            for k, v in zip(ci, cs, strict=True):
-                full_c[k] = v
-            for k, v in zip(xi, xs, strict=True):
-                full_x[k] = v
-            return step(full_c, c, full_x, flats)
-
-        _, pull = jax.vjp(f, c_in, flats, [consts[k] for k in ci], [x_plain[k] for k in xi])
-        dc, d_flats, dcs, dxs = pull((g_c, g_y))
-        d_plain = [dataflow.zero_cotangent(x) for x in x_plain]
-        for k, v in zip(xi, dxs, strict=True):
-            d_plain[k] = v
-        return dc, d_flats, dcs, d_plain
-
-    def regather(kept_i, pieces_i, fixed, after):
-        """Layer i's weights for its backward, gathered once `after` exists."""
-        kept_i, pieces_i = dataflow.tie(after, (kept_i, pieces_i))
-        return [
-            w if keep else g.gather(leaf, p, w, f, True)
-            for leaf, p, w, f, keep in zip(leaves, pieces_i, kept_i, fixed, small, strict=True)
-        ]
-
-    def backward_layer(consts, fixed, g_c, g_cs, i, c_in, x_plain, flats, g_y):
-        dc, d_flats, dcs, d_plain = vjp_layer(consts, c_in, x_plain, flats, g_c, g_y)
-        d_pieces = [
-            g.reduce(leaf, d, f, None, i)[0]
-            for leaf, d, f in zip(leaves, d_flats, fixed, strict=True)
-        ]
-        g_cs = [a + b for a, b in zip(g_cs, dcs, strict=True)]
-        return dc, g_cs, d_plain, d_pieces
+        fetch_ = lambda i, after: fetch(shards, fixed, i, after)  # noqa: E731
+        c, (ys, saved) = pipelined(
+            fetch_, compute, list(init), tie, loop.length, loop.lookahead, reverse=False
+        )
+        return c, ys, saved
 
     def backward(shards, consts, plain, fixed, saved, g_carry, g_ys):
-        """Layers in reverse; without prefetch each iteration re-gathers its own layer."""
+        """Layers in reverse: re-gather layer i once the cotangent reaching it exists,
+        apply its kept VJP, reduce its weights' gradients."""
+        res_bits, kept = saved
+        floats = [dataflow.is_inexact(x) for x in plain]
         g_cs = [jnp.zeros_like(x) for x in consts if dataflow.is_inexact(x)]
-        if prefetch:
-            return backward_prefetched(shards, consts, plain, fixed, saved, g_carry, g_ys, g_cs)
 
-        def iteration(carry, x):
+        def fetch_back(i, after):
+            kept_i, pieces = dataflow.tie(after, (_take(kept, i), _take(shards, i)))
+            return [
+                w if keep else g.gather(leaf, p, w, f, True)
+                for leaf, p, w, f, keep in zip(
+                    loop.leaves, pieces, kept_i, fixed, whole, strict=True
+                )
+            ]
+
+        def compute(i, carry, flats):
             g_c, g_cs = carry
-            i, (c_in, kept_i), x_plain, pieces, g_y = x
-            flats = regather(kept_i, pieces, fixed, g_c)
-            c_in = unbits(c_in)
-            g_c, g_cs, dp, dpieces = backward_layer(
-                consts, fixed, g_c, g_cs, i, c_in, x_plain, flats, g_y
+            leaves = _from_bits(_take(res_bits, i), traced["dtypes"])
+            vjp = jax.tree_util.tree_unflatten(traced["tree"], leaves)
+            weights, pull_weights = jax.vjp(lambda f: split.prologue(loop.weights(f)), flats)
+            x_plain = _take(plain, i)
+            d_pre, d_consts, g_c, d_plain = split.pull(
+                vjp, weights, consts, x_plain, g_c, _take(g_ys, i)
             )
-            return (g_c, g_cs), (dp, dpieces)
+            (d_flats,) = pull_weights(d_pre)
+            d_pieces = [
+                g.reduce(leaf, d, f, None, i)[0]
+                for leaf, d, f in zip(loop.leaves, d_flats, fixed, strict=True)
+            ]
+            g_cs = [a + b for a, b in zip(g_cs, _inexact(consts, d_consts), strict=True)]
+            d_plain = [d if fl else None for d, fl in zip(d_plain, floats, strict=True)]
+            return (g_c, g_cs), (d_plain, d_pieces)
 
-        xs = (jnp.arange(length), saved, plain, shards, g_ys)
-        (g_c, g_cs), (d_plain, d_pieces) = lax.scan(iteration, (g_carry, g_cs), xs, reverse=True)
+        (g_c, g_cs), (d_plain, d_pieces) = pipelined(
+            fetch_back, compute, (g_carry, g_cs), g_carry, loop.length, loop.lookahead, reverse=True
+        )
+        d_plain = [
+            d if fl else dataflow.zero_cotangent(x)
+            for d, fl, x in zip(d_plain, floats, plain, strict=True)
+        ]
         return d_pieces, _consts_cotangent(consts, g_cs), g_c, d_plain
 
-    def backward_prefetched(shards, consts, plain, fixed, saved, g_carry, g_ys, g_cs):
-        """Layer i - 1 is re-gathered once the cotangent reaching layer i exists, before
-        layer i's backward computes; layers L - 1 and 0 run outside the loop. As in the
-        forward, inputs are read from and gradients written into whole stacks."""
-        top = length - 1
-
-        def regather_layer(i, after):
-            c_in, kept_i = _take(saved, i)
-            return unbits(c_in), regather(kept_i, _take(shards, i), fixed, after)
-
-        # Integer xs have float0 cotangents, which are not stacked but made whole.
-        floats = [dataflow.is_inexact(x) for x in plain]
-
-        def grads_of(i, g_c, g_cs, c_in, flats):
-            g_c, g_cs, dp, dpieces = backward_layer(
-                consts, fixed, g_c, g_cs, i, c_in, _take(plain, i), flats, _take(g_ys, i)
-            )
-            dp = [d if f else None for d, f in zip(dp, floats, strict=True)]
-            return g_c, g_cs, (dp, dpieces)
-
-        def layer(i, g_c, g_cs, c_in, flats, bufs):
-            g_c, g_cs, grads = grads_of(i, g_c, g_cs, c_in, flats)
-            return g_c, g_cs, _put(bufs, grads, i)
-
-        def finish(g_c, g_cs, bufs):
-            d_plain, d_pieces = bufs
-            d_plain = [
-                d if f else dataflow.zero_cotangent(x)
-                for d, f, x in zip(d_plain, floats, plain, strict=True)
-            ]
-            return d_pieces, _consts_cotangent(consts, g_cs), g_c, d_plain
-
-        c_top, flats = regather_layer(top, g_carry)
-        if length > 1:
-            _, next_flats = regather_layer(top - 1, g_carry)
-        shapes = jax.eval_shape(lambda: grads_of(jnp.asarray(top), g_carry, g_cs, c_top, flats)[2])
-        bufs = _stack_of(shapes, length)
-        g_c, g_cs, bufs = layer(jnp.asarray(top), g_carry, g_cs, c_top, flats, bufs)
-        if length == 1:
-            return finish(g_c, g_cs, bufs)
-        flats = next_flats
-
-        def iteration(carry, i):  # layers top - 1 down to 1
-            g_c, g_cs, flats, bufs = carry
-            _, prev = regather_layer(i - 1, g_c)
-            c_in = unbits(_take(saved, i)[0])
-            g_c, g_cs, bufs = layer(i, g_c, g_cs, c_in, flats, bufs)
-            return (g_c, g_cs, prev, bufs), None
-
-        carry = (g_c, g_cs, flats, bufs)
-        (g_c, g_cs, flats, bufs), _ = lax.scan(iteration, carry, jnp.arange(1, top), reverse=True)
-        c0 = unbits(_take(saved, 0)[0])
-        g_c, g_cs, bufs = layer(jnp.asarray(0), g_c, g_cs, c0, flats, bufs)
-        return finish(g_c, g_cs, bufs)
-
     @jax.custom_vjp
-    def run(shards, consts, init, plain, fixed, tie):
+    def scan(shards, consts, init, plain, fixed, tie):
         c, ys, _ = forward(shards, consts, init, plain, fixed, tie, False)
         return c, ys
 
-    def run_fwd(shards, consts, init, plain, fixed, tie):
+    def scan_fwd(shards, consts, init, plain, fixed, tie):
         c, ys, saved = forward(shards, consts, init, plain, fixed, tie, True)
         return (c, ys), (shards, consts, plain, fixed, saved, tie)
 
-    def run_bwd(res, cts):
+    def scan_bwd(res, cts):
         shards, consts, plain, fixed, saved, tie = res
         g_carry, g_ys = cts
         d_shards, d_consts, d_init, d_plain = backward(
@@ -255,9 +250,93 @@ def layered_scan(
             None if tie is None else dataflow.zero_cotangent(tie),
         )
 
-    run.defvjp(run_fwd, run_bwd)
-    c, ys = run(shards, consts, init, plain, fixed, tie)
+    scan.defvjp(scan_fwd, scan_bwd)
+    c, ys = scan(shards, consts, list(init), plain, fixed, tie)
     return [*c, *ys]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """A loop body split by data dependence: the `prologue` computes from one layer's
+    weights alone (casts, transposes, ...: recomputed in the backward loop, never kept),
+    `main` computes the rest from the prologue's outputs, the constants, the carry and the
+    plain `xs`.
+
+    Attributes:
+      known: `(weights) -> prologue outputs`.
+      unknown: `(prologue outputs, consts, carry, plain xs) -> (carry, ys)`.
+      loop: the loop.
+    """
+
+    known: core.ClosedJaxpr
+    unknown: core.ClosedJaxpr
+    loop: Loop
+
+    @classmethod
+    def of(cls, loop: Loop) -> _Split:
+        body = loop.body.jaxpr
+        nc = len(body.invars) - loop.num_carry - len(loop.lazy_pos) - len(loop.plain_pos)
+        weight_in = {nc + loop.num_carry + i for i in loop.lazy_pos}
+        unknowns = [k not in weight_in for k in range(len(body.invars))]
+        known, unknown, _, _ = pe.partial_eval_jaxpr_nounits(loop.body, unknowns, True)
+        return cls(known, unknown, loop)
+
+    def prologue(self, weights: list[Any]) -> list[Any]:
+        return core.eval_jaxpr(self.known.jaxpr, self.known.consts, *weights)
+
+    def _main(self, pre, consts, carry, plain):
+        # The unknown half reads the body's inputs in their order, minus the weights.
+        lp = self.loop
+        xs = lp.xs(plain, [None] * len(lp.lazy_pos))
+        ins = [*consts, *carry, *(x for x in xs if x is not None)]
+        out = core.eval_jaxpr(self.unknown.jaxpr, self.unknown.consts, *pre, *ins)
+        return list(out[: lp.num_carry]), list(out[lp.num_carry :])
+
+    def vjp(self, weights, consts, carry, plain) -> tuple[tuple[list, list], api.VJP]:
+        """The layer's outputs and its VJP, whose residuals hold neither the prologue's
+        outputs nor the constants nor the plain `xs` (`pull` puts them back)."""
+        pre = self.prologue(weights)
+        n = (len(pre), len(consts), len(carry), len(plain))
+
+        def main(*args):
+            a, b, c, d = _cuts(list(args), n)
+            return self._main(a, b, c, d)
+
+        out, vjp = jax.vjp(main, *pre, *consts, *carry, *plain)
+        dropped = _dropped(n)
+        vjp.args_res = [api.NotNeeded() if k in dropped else r for k, r in enumerate(vjp.args_res)]
+        return out, vjp
+
+    def pull(self, vjp, pre, consts, plain, g_c, g_y):
+        """Cotangents of the prologue's outputs, the constants, the carry and the plain xs."""
+        n = (len(pre), len(consts), len(g_c), len(plain))
+        fill = iter([*pre, *consts, *[None] * n[2], *plain])
+        dropped = _dropped(n)
+        args_res = []
+        for k, r in enumerate(vjp.args_res):
+            v = next(fill)
+            args_res.append(v if k in dropped else r)
+        vjp.args_res = args_res
+        return _cuts(list(vjp((list(g_c), list(g_y)))), n)
+
+
+def _dropped(n: tuple[int, int, int, int]) -> set[int]:
+    """Argument positions of `_Split.main` whose residuals are put back, not kept: the
+    prologue's outputs, the constants and the plain xs (not the carry)."""
+    a, b, c, d = n
+    return set(range(a + b)) | set(range(a + b + c, a + b + c + d))
+
+
+def _cuts(xs: list[Any], n: tuple[int, ...]) -> list[list[Any]]:
+    out, k = [], 0
+    for m in n:
+        out.append(xs[k : k + m])
+        k += m
+    return out
+
+
+def _inexact(xs: list[Any], ds: list[Any]) -> list[Any]:
+    return [d for x, d in zip(xs, ds, strict=True) if dataflow.is_inexact(x)]
 
 
 def _consts_cotangent(consts: list[Any], g_cs: list[Any]) -> list[Any]:
@@ -270,25 +349,28 @@ def _consts_cotangent(consts: list[Any], g_cs: list[Any]) -> list[Any]:
     return out
 
 
-def _to_bits(c: list[Any]) -> list[Any]:
-    """Each 16-bit float of `c` as its `uint16` bits, the others as they are.
+def _to_bits(xs: list[Any]) -> list[Any]:
+    """Each 16-bit float of `xs` as its `uint16` bits, the others as they are.
 
-    The backward loop reads each layer's saved carry with a dynamic slice of the stack.
-    XLA's CPU pipeline computes bfloat16 in float32 and moves the convert ahead of the
-    slice, out of the loop: a float32 copy of every saved carry, twice the stack. The
-    bitcast keeps the convert behind the slice. Values are unchanged to the bit.
+    The backward loop reads each layer's saved residuals with a dynamic slice of their
+    stack. XLA's CPU pipeline computes bfloat16 in float32 and moves the convert ahead of
+    the slice, out of the loop: a float32 copy of every saved residual, twice the stack.
+    The bitcast keeps the convert behind the slice. Values are unchanged to the bit.
     """
     out = []
-    for x in c:
+    for x in xs:
         dtype = jnp.result_type(x)
         half = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
         out.append(lax.bitcast_convert_type(x, jnp.uint16) if half else x)
     return out
 
 
-def _from_bits(x: Any, dtype: Any) -> Any:
-    """Inverse of `_to_bits` for one carry of `dtype`."""
-    return lax.bitcast_convert_type(x, dtype) if jnp.result_type(x) != dtype else x
+def _from_bits(xs: list[Any], dtypes: list[Any]) -> list[Any]:
+    """Inverse of `_to_bits`, given the original dtypes."""
+    return [
+        lax.bitcast_convert_type(x, d) if jnp.result_type(x) != d else x
+        for x, d in zip(xs, dtypes, strict=True)
+    ]
 
 
 def _take(stacks: Any, i: Any) -> Any:

@@ -8,22 +8,27 @@ value (its per-device shard, not yet gathered):
   weight just before the equation and drops it after; its backward re-gathers it (hpZ: from
   the saved secondary shard, over `local` only), takes the equation's VJP and reduces the
   weight's gradient (qgZ). Only the equation's other inputs are saved, never the weight;
-- a `scan` whose `xs` hold a stacked weight (`nn.scan`, `nnx.scan`, `lax.scan` over a
-  `(layers, ...)` leaf) runs as `_layered_scan`: each iteration gathers its own layer
-  (layer i+1 is gathered while layer i computes), and the backward loop, owned by a custom
-  VJP, re-gathers layer i, takes the VJP of the loop body at the carry that entered it and
-  reduces layer i's gradient inside the iteration;
-- layout-only equations (`reshape`, `transpose`, `convert_element_type`, ...) of a lazy
-  weight stay lazy; `jit` calls are inlined; a user's `jax.checkpoint` block is evaluated
-  under `jax.checkpoint` with the same policy (plus the secondary shard saved);
+- a `scan` whose `xs` hold a stacked weight (`nn.scan`, `nnx.scan`, `lax.scan`, `lax.map`
+  over a `(layers, ...)` leaf, also after a transpose, reshape, slice or reversal that
+  keeps the layer axis whole, see `layer_view`) runs as a `layered_scan.Loop`: each
+  iteration gathers its own layer (layer i+1 is gathered while layer i computes), and the
+  backward loop, owned by a custom VJP, keeps what the model's own remat keeps of each
+  layer except its weights, re-gathers layer i and reduces its gradient inside the
+  iteration. A leaf scanned over another axis than its axis 0 is re-laid out first by
+  one all-to-all (`relayout`);
+- layout-only equations (`reshape`, `transpose`, `convert_element_type`, `slice`, ...) of
+  a lazy weight stay lazy; calls in `INLINED_CALLS` (`jit`) are inlined; a user's
+  `jax.checkpoint` block is evaluated under `jax.checkpoint` with the same policy (plus
+  the secondary shard saved);
 - a weight read more than once (a tied embedding) is gathered once, at its first use, and
   held until its last; each use's backward re-gathers it. Its cotangent leaves through one
   gradient reduction of the uses' sum (the first use's full-size gradient waits for the
   last one), or, with `per_use_reduce`, each use reduces its own gradient as it is made
   (one more reduction of the leaf per extra use, nothing full-size held);
 - a weight read inside a `cond` or `while`, or by a scan this module does not rebuild (a
-  reversed scan, a weight among its constants or carry, a layer axis other than 0), is
-  gathered whole at that point, with a warning naming the leaf.
+  weight among its constants or carry, a chain that merges or broadcasts the layer axis,
+  a tensor-parallel leaf scanned over an axis other than 0), is gathered whole at that
+  point, with a warning naming the leaf.
 
 Order comes from data dependencies, not from the scheduler: `_barrier` ties each gather's
 input shard to an activation (the previous weight use's input, so the gather
@@ -44,12 +49,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import ad_checkpoint, core, source_info_util
 from jax._src.lax.control_flow import cond_p, scan_p, while_p
 from jax._src.pjit import jit_p
 
-from zeropp_jax import dataflow, layered_scan, tensor_parallel
+from zeropp_jax import dataflow, layer_view, layered_scan, relayout, tensor_parallel
 from zeropp_jax import partition as part
 from zeropp_jax.weight_gather import SECONDARY_NAME
 
@@ -64,9 +70,15 @@ CHAIN_PRIMITIVES = frozenset(
         "pcast",
         "copy",
         "copy_p",
+        "slice",
+        "rev",
     }
 )
 """Equations of one lazy weight (and literals) that only move or cast it: they stay lazy."""
+
+INLINED_CALLS = {jit_p: "jaxpr", core.closed_call_p: "call_jaxpr"}
+"""Call-like primitives whose inner program the interpreter runs in place, and the
+parameter that holds it. `count_uses` and `evaluate` both read this table."""
 
 WHOLE_SCOPE = "zeropp_whole_gather"
 """Named scope of every gather of a whole leaf that the engine could not place per use."""
@@ -153,8 +165,8 @@ def count_uses(jaxpr: core.Jaxpr, lazy_leaves: dict[core.Var, int]) -> dict[int,
             if name in CHAIN_PRIMITIVES and len(read) == 1 and len(eqn.outvars) == 1:
                 where[eqn.outvars[0]] = read[0]
                 continue
-            if eqn.primitive is jit_p or eqn.primitive is core.closed_call_p:
-                inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+            if eqn.primitive in INLINED_CALLS:
+                inner = eqn.params[INLINED_CALLS[eqn.primitive]]
                 sub = {
                     iv: where[v]
                     for iv, v in zip(inner.jaxpr.invars, eqn.invars, strict=True)
@@ -205,8 +217,8 @@ def _eval_eqn(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
             return [
                 dataclasses.replace(lz, aval=eqn.outvars[0].aval, chain=(*lz.chain, (prim, params)))
             ]
-    if prim is jit_p or prim is core.closed_call_p:
-        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+    if prim in INLINED_CALLS:
+        inner = eqn.params[INLINED_CALLS[prim]]
         return evaluate(inner.jaxpr, inner.consts, invals, ctx)
     if prim is ad_checkpoint.remat_p:
         return _checkpointed(eqn, invals, ctx)
@@ -423,62 +435,91 @@ def _at_shared_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], c
 
 def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any] | None:
     """A scan whose `xs` hold stacked lazy weights, rebuilt to gather one layer per
-    iteration; None when this scan cannot be rebuilt so (the caller gathers whole)."""
+    iteration; None when this scan cannot be rebuilt so (the caller gathers whole).
+
+    The weights may reach the scan through layout-only equations that keep their layer
+    axis whole (see `layer_view`): a transpose or `moveaxis` (a scan over any axis), a
+    reshape, a slice, a reversal, a cast. A leaf whose layer axis is not its axis 0 is
+    re-laid out first (`relayout`: one all-to-all of its shard per step). A reversed scan
+    runs as a forward one over reversed `xs`, its `ys` reversed back.
+    """
     g = ctx.gathers
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
-    consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
-    if p["reverse"] or not g.layered:
+    nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+    consts, init, xs = invals[:nc], invals[nc : nc + nk], list(invals[nc + nk :])
+    if not g.layered or any(isinstance(x, Lazy) for x in (*consts, *init)):
         return None
-    if any(isinstance(x, Lazy) for x in (*consts, *init)):
-        return None
-    xs = list(xs)
-    lazy_pos = [i for i, x in enumerate(xs) if isinstance(x, Lazy)]
-    matrices, vectors = [], []
-    for i in lazy_pos:
-        lz = xs[i]
-        lo = g.layout(lz.leaf)
-        if any(prim.name != "convert_element_type" for prim, _ in lz.chain):
+    if p["reverse"]:
+        xs = [_reversed(x) for x in xs]
+    matrices, views = [], []
+    for i, x in enumerate(xs):
+        if not isinstance(x, Lazy):
+            continue
+        lo = g.layout(x.leaf)
+        view = layer_view.layer_view(lo.shape, x.chain)
+        if view is None or ctx.uses.get(x.leaf, 1) > 1:
             return None
-        if ctx.uses.get(lz.leaf, 1) > 1:
+        if not lo.stacked:
+            # Per-layer vectors (biases, norm scales) are small: gathered whole, before the loop.
+            xs[i] = _materialize(ctx, x, None)
+        elif view.axis != 0 and lo.tensor_parallel:
             return None
-        if lo.stacked and lo.lead == p["length"]:
-            matrices.append(i)
-        elif len(lo.shape) == 2 and lo.shape[0] == p["length"]:
-            vectors.append(i)
         else:
-            return None
-    # Per-layer vectors (biases, norm scales) are small: gathered whole, before the loop.
-    for i in vectors:
-        xs[i] = _materialize(ctx, xs[i], None)
+            matrices.append(i)
+            views.append(view)
     if not matrices:
-        return _bind(eqn, [*consts, *init, *xs])
-    lazy_pos = matrices
-    lazies = [xs[i] for i in lazy_pos]
-    plain_pos = [i for i in range(len(xs)) if i not in lazy_pos]
-    plain = [xs[i] for i in plain_pos]
-    body = p["jaxpr"]
-    length = p["length"]
+        outs = _bind(eqn.replace(params={**p, "reverse": False}), [*consts, *init, *xs])
+        return _unreversed(outs, nk) if p["reverse"] else outs
+    plain_pos = [i for i in range(len(xs)) if i not in matrices]
     tie = dataflow.first_array(init) if ctx.tie is None or not ctx.prefetch else ctx.tie
     first = dataflow.first_array(init)
     ctx.tie = ctx.tie if first is None else first
-    outs = layered_scan.layered_scan(
-        g,
-        lazies,
-        body,
-        nk,
-        length,
-        lazy_pos,
-        plain_pos,
-        ctx.prefetch,
-        [lz.shard for lz in lazies],
+    layouts, stacks = [], []
+    for i, view in zip(matrices, views, strict=True):
+        lz, lo = xs[i], g.layout(xs[i].leaf)
+        stack = lz.shard
+        if view.axis != 0:
+            stack = relayout.layers_to_front(stack, lo, view.axis)
+            lo = relayout.layout(lo, view.axis, g.num_devices)
+        layers = view.layers(length)
+        if layers != list(range(lo.shape[0])):
+            stack = stack[np.asarray(layers)]
+        layouts.append(lo)
+        stacks.append(stack)
+    loop = layered_scan.Loop(
+        gathers=g,
+        leaves=tuple(xs[i].leaf for i in matrices),
+        layouts=tuple(layouts),
+        chains=tuple(v.chain for v in views),
+        body=p["jaxpr"],
+        num_carry=nk,
+        length=length,
+        lazy_pos=tuple(matrices),
+        plain_pos=tuple(plain_pos),
+        lookahead=1 if ctx.prefetch else 0,
+    )
+    outs = layered_scan.run(
+        loop,
+        stacks,
         list(consts),
         list(init),
-        plain,
-        [g.fixed(lz.leaf) for lz in lazies],
+        [xs[i] for i in plain_pos],
+        [g.fixed(xs[i].leaf) for i in matrices],
         tie,
     )
-    return outs
+    return _unreversed(outs, nk) if p["reverse"] else outs
+
+
+def _unreversed(outs: list[Any], num_carry: int) -> list[Any]:
+    """A forward scan's outputs over reversed `xs` -> the reversed scan's."""
+    return outs[:num_carry] + [lax.rev(y, (0,)) for y in outs[num_carry:]]
+
+
+def _reversed(x: Any) -> Any:
+    """`x` reversed along axis 0 (a lazy weight: one more equation in its chain)."""
+    if isinstance(x, Lazy):
+        return dataclasses.replace(x, chain=(*x.chain, (lax.rev_p, {"dimensions": (0,)})))
+    return lax.rev(x, (0,))
 
 
 # ----------------------------------------------------------------------------- entry

@@ -1,0 +1,60 @@
+"""One all-to-all that re-lays out a stacked leaf for a scan over an axis other than 0.
+
+A leaf of rank >= 3 is stored with axis 0 whole and each slice along it sharded (see
+`partition`). A scan over another axis `a` (MaxText's `param_scan_axis=1`: stored `(D, L,
+F)`, transposed to `(L, D, F)` before the scan) would find each of its layers spread
+unevenly over the devices. `layers_to_front` sends every device, in one all-to-all over
+the data-parallel axes, the rows `[j * R, (j + 1) * R)` of axis 0 of every layer (`R =
+ceil(D / N)`), so that device j then holds, for each layer along `a`, a contiguous
+`1 / N` of that layer: a stack the layered scan gathers per layer like any other. The
+all-to-all moves the float32 master shard (each device sends `(N - 1) / N` of its
+shard); its transpose, another all-to-all, returns the reduced per-layer gradient pieces
+unquantized. Runs inside the shard_map island; shapes are per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from zeropp_jax import partition as part
+
+
+def layout(stored: part.LeafLayout, axis: int, num_devices: int) -> part.LeafLayout:
+    """The layout of the stack `layers_to_front` makes of a leaf stored as `stored`: shape
+    `(layers, D, other axes)`, each layer `ceil(D / N) * N * (other axes)` values with the
+    padding rows last."""
+    shape = stored.shape
+    rows = -(-shape[0] // num_devices)
+    rest = math.prod(shape[1:]) // shape[axis]
+    moved = (shape[axis], shape[0], *(d for k, d in enumerate(shape[1:], 1) if k != axis))
+    return dataclasses.replace(stored, shape=moved, padded=rows * num_devices * rest)
+
+
+def layers_to_front(shard: jax.Array, stored: part.LeafLayout, axis: int) -> jax.Array:
+    """A device's stored shard `(D, C / N)` of a stacked leaf -> its stack `(layers,
+    ceil(D / N) * values per row of one layer)` for a scan over `axis` of the leaf
+    (`axis >= 1`), laid out as `layout(stored, axis, N)`.
+
+    Raises:
+      ValueError: for a leaf that is not stacked, is split over `model`, or `axis` 0.
+    """
+    if not stored.stacked or stored.tensor_parallel or axis < 1:
+        raise ValueError(
+            f"layers_to_front needs a stacked leaf not split over 'model' and an axis >= 1; "
+            f"got shape {stored.shape} (model_dim={stored.model_dim}), axis {axis}."
+        )
+    axes = part.DP_AXES
+    n = lax.axis_size(axes)
+    shape = stored.shape
+    rows = -(-shape[0] // n)
+    x = jnp.pad(shard, ((0, rows * n - shape[0]), (0, 0))).reshape(n, rows, shard.shape[1])
+    # Block j of rows goes to device j; device j receives every device's column piece.
+    x = lax.all_to_all(x, axes, 0, 0, tiled=True)
+    x = jnp.swapaxes(x.reshape(n, rows, -1), 0, 1).reshape(rows, -1)[:, : stored.cols]
+    x = jnp.moveaxis(x.reshape(rows, *shape[1:]), axis, 0)
+    return x.reshape(shape[axis], -1)
