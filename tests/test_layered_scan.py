@@ -109,7 +109,7 @@ def lax_mix():
     """Plain functions over stacked weights: a nested scan (blocks of scanned sub-layers,
     no remat), a `lax.map` over a reshaped stack (`jax.checkpoint` keeping the matmul
     outputs), a reversed scan over a stack stored with its layer axis last (`jax.checkpoint`
-    recomputing all), and a scan over a slice of a stack."""
+    recomputing all), a scan over a slice of a stack, and a `fori_loop` indexing a stack."""
     rs = np.random.RandomState(3)
 
     def w(*shape):
@@ -120,6 +120,7 @@ def lax_mix():
         "mapped": w(LAYERS, WIDTH, 2, WIDTH // 2),
         "last": w(WIDTH, WIDTH, LAYERS),
         "sliced": w(LAYERS + 1, WIDTH, WIDTH),
+        "counted": w(LAYERS, WIDTH, WIDTH),
     }
 
     def apply(variables, x):
@@ -139,7 +140,7 @@ def lax_mix():
         h = h + jnp.mean(jax.lax.map(dots, mapped), axis=0)
         h, _ = jax.lax.scan(jax.checkpoint(sub), h, jnp.moveaxis(p["last"], 2, 0), reverse=True)
         h, _ = jax.lax.scan(sub, h, p["sliced"][1:])
-        return h
+        return jax.lax.fori_loop(0, LAYERS, lambda i, h: sub(h, p["counted"][i])[0], h)
 
     return apply, params
 
@@ -156,8 +157,8 @@ LAYER = WIDTH * WIDTH * 4
 """Bytes of one gathered float32 `(WIDTH, WIDTH)` layer."""
 FORWARD_GATHERS = {
     "axis_one": {LAYER: LAYERS},
-    # last, mapped and sliced: a (WIDTH, WIDTH) layer each; nested: a block of two.
-    "lax_mix": {LAYER: 3 * LAYERS, 2 * LAYER: LAYERS},
+    # last, mapped, sliced and counted: a (WIDTH, WIDTH) layer each; nested: a block of two.
+    "lax_mix": {LAYER: 4 * LAYERS, 2 * LAYER: LAYERS},
 }
 """Per model, the whole-layer forward gathers it makes: bytes of one -> how many."""
 

@@ -55,7 +55,7 @@ from jax._src import ad_checkpoint, core, source_info_util
 from jax._src.lax.control_flow import cond_p, scan_p, while_p
 from jax._src.pjit import jit_p
 
-from zeropp_jax import dataflow, layer_view, layered_scan, relayout, tensor_parallel
+from zeropp_jax import dataflow, indexed_scan, layer_view, layered_scan, relayout, tensor_parallel
 from zeropp_jax import partition as part
 from zeropp_jax.weight_gather import SECONDARY_NAME
 
@@ -447,8 +447,18 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
     p = eqn.params
     nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
     consts, init, xs = invals[:nc], invals[nc : nc + nk], list(invals[nc + nk :])
-    if not g.layered or any(isinstance(x, Lazy) for x in (*consts, *init)):
+    if not g.layered or any(isinstance(x, Lazy) for x in init):
         return None
+    lazy_consts = [k for k, x in enumerate(consts) if isinstance(x, Lazy)]
+    if lazy_consts:
+        rewritten = indexed_scan.over_layers(eqn, invals, lazy_consts)
+        if rewritten is None:
+            return None
+        params, invals, layers = rewritten
+        n = len(invals) - len(layers)
+        for k, (start, step) in enumerate(layers):
+            invals[n + k] = _layers_read(invals[n + k], start, step, p["length"])
+        return _place_scan(eqn.replace(params=params), invals, ctx)
     if p["reverse"]:
         xs = [_reversed(x) for x in xs]
     matrices, views = [], []
@@ -513,6 +523,27 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
 def _unreversed(outs: list[Any], num_carry: int) -> list[Any]:
     """A forward scan's outputs over reversed `xs` -> the reversed scan's."""
     return outs[:num_carry] + [lax.rev(y, (0,)) for y in outs[num_carry:]]
+
+
+def _layers_read(lz: Lazy, start: int, step: int, length: int) -> Lazy:
+    """`lz` (stacked along axis 0) cut to the layers `start + step * k`, k < `length`: a
+    slice (after a reversal for a negative step) in its chain."""
+    chain = list(lz.chain)
+    size = lz.aval.shape[0]
+    if step < 0:
+        chain.append((lax.rev_p, {"dimensions": (0,)}))
+        start, step = size - 1 - start, -step
+    ndim = len(lz.aval.shape)
+    limit = start + step * (length - 1) + 1
+    if (start, step, limit) != (0, 1, size):
+        params = {
+            "start_indices": (start,) + (0,) * (ndim - 1),
+            "limit_indices": (limit, *lz.aval.shape[1:]),
+            "strides": None if step == 1 else (step,) + (1,) * (ndim - 1),
+        }
+        chain.append((lax.slice_p, params))
+    shape = (length, *lz.aval.shape[1:])
+    return dataclasses.replace(lz, chain=tuple(chain), aval=lz.aval.update(shape=shape))
 
 
 def _reversed(x: Any) -> Any:
