@@ -112,6 +112,21 @@ def test_temp_per_added_layer_is_at_most_half_a_layer_above_one_device(measured,
     assert deepest < DEPTHS[-1] * LAYER_BYTES / 2, (engine, scanned, deepest / LAYER_BYTES)
 
 
+LIVE_LAYERS = 3.5
+"""At most this many layers' full weights in all the temporaries of a step (docs/concepts.md:
+the layer in use, the next one prefetched, one layer's full gradient before its reduction)."""
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+@pytest.mark.parametrize("engine", list(CONFIGS))
+def test_at_most_three_and_a_half_layers_of_full_weights_are_live(measured, engine, scanned):
+    """The whole step's compiled temporaries, in units of one layer's full float32 weights
+    (one-device training of the same batch needs 0.15 of a layer), at 4 and 8 layers."""
+    for depth in DEPTHS:
+        live = measured[engine, scanned, depth]["temp"] / LAYER_BYTES
+        assert live <= LIVE_LAYERS, (engine, scanned, depth, live)
+
+
 @pytest.mark.parametrize("scanned", [False, True])
 @pytest.mark.parametrize("engine", list(CONFIGS))
 def test_argument_bytes_are_one_eighth_of_params_and_adam_state(measured, engine, scanned):
