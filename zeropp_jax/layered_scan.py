@@ -138,7 +138,9 @@ def run(
       loop: the scan.
       shards: per stacked weight, the per-device stack `(layers, C / N)` of its layers'
         pieces.
-      consts, init, plain: the scan's constants, initial carry and other `xs`.
+      consts: the scan's constants.
+      init: the scan's initial carry.
+      plain: the scan's `xs` other than the stacked weights.
       fixed: per stacked weight, `gathers.fixed(leaf)`.
       tie: what the first gather waits for (None: nothing).
     """
