@@ -1,5 +1,5 @@
-"""Sharded init and planning from shapes: `TrainState.create(params=callable)` against the
-materialised tree, `TrainState.abstract` against `create`, restoring onto an abstract
+"""Sharded init and planning from shapes: `TrainState.create(params=zpp.ShardedInit(fn))`
+against the materialised tree, `TrainState.abstract` against `create`, restoring onto an abstract
 target."""
 
 import jax
@@ -9,8 +9,8 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
+from zeropp_jax import baselines, state_init
 from zeropp_jax import partition as part
-from zeropp_jax import state_init
 from zeropp_jax.train.cli import train_step
 from zeropp_jax.train.model import GPT, GPTConfig
 
@@ -28,7 +28,7 @@ CONFIGS = {
 
 def init_fn(seed=0):
     tokens = jnp.zeros((1, GPT_CFG.seq_len), jnp.int32)
-    return lambda: MODEL.init(jax.random.key(seed), tokens)["params"]
+    return zpp.ShardedInit(lambda: MODEL.init(jax.random.key(seed), tokens)["params"])
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,17 @@ def test_sharded_init_equals_eager_init_bit_for_bit(mesh, name):
     lazy = create(mesh, config, init_fn())
     assert_same_arrays(lazy, eager)
     assert lazy.layouts == eager.layouts
+
+
+def test_a_bare_callable_is_refused_not_guessed(mesh):
+    fn = init_fn().fn
+    for build in (zpp.TrainState.create, zpp.TrainState.abstract):
+        with pytest.raises(ValueError, match=r"callable.*zpp\.ShardedInit\(fn\)"):
+            build(apply_fn=MODEL.apply, params=fn, tx=TX, mesh=mesh)
+    with pytest.raises(ValueError, match=r"callable.*zpp\.ShardedInit\(fn\)"):
+        baselines.xla_fsdp_state(apply_fn=MODEL.apply, params=fn, tx=TX, mesh=mesh)
+    with pytest.raises(ValueError, match="zero-argument callable"):
+        zpp.ShardedInit({"w": jnp.zeros(3)})
 
 
 def test_sharded_init_program_holds_no_unsharded_tree(mesh):

@@ -11,9 +11,11 @@ from zeropp_jax.ledger import CommLedger, comm_ledger
 from zeropp_jax.mesh import make_mesh
 from zeropp_jax.preemption import StopGuard
 from zeropp_jax.quant import QuantizedArray, dequantize_blockwise, quantize_blockwise
+from zeropp_jax.state_init import ShardedInit
 
 __all__ = [
     "CommLedger",
+    "ShardedInit",
     "ShardedStep",
     "StopGuard",
     "TrainState",

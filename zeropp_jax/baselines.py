@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax import tensor_parallel
 from zeropp_jax.mesh import data_parallel_size
 from zeropp_jax.partition import BATCH_SPEC, MODEL_AXIS
+from zeropp_jax.state_init import ShardedInit, check_params, shapes_of
 
 ALL_DEVICES = ("node", "local")
 """The mesh axes a leaf is sharded over: all of them, in device order."""
@@ -116,9 +117,9 @@ def xla_fsdp_state(
 
     Args:
       apply_fn: the model's apply function, e.g. `model.apply`.
-      params: the parameter tree (global shapes; float32 master weights), or a
-        zero-argument callable returning it (run inside the sharded `jax.jit`, so the
-        unsharded tree is never built).
+      params: the parameter tree (global shapes; float32 master weights; any pytree of
+        arrays), or a `zpp.ShardedInit` returning it (run inside the sharded `jax.jit`,
+        so the unsharded tree is never built).
       tx: an optax `GradientTransformation`.
       mesh: a `('node', 'local')` mesh (`zpp.make_mesh`).
       compute_dtype: the dtype the model computes in; its floating weights are cast to it
@@ -129,12 +130,17 @@ def xla_fsdp_state(
     Returns:
       The state, each leaf placed with `fsdp_spec` (the optimizer state is created already
       sharded, under `jax.jit`).
+
+    Raises:
+      ValueError: for a mesh that is not `zpp.make_mesh`'s, or a bare callable as
+        `params` (wrap it in `zpp.ShardedInit`).
     """
     _check_mesh(mesh)
+    check_params(params)
     dtype = jnp.dtype(compute_dtype)
 
     def create() -> train_state.TrainState:
-        p = params() if callable(params) else params
+        p = params.fn() if isinstance(params, ShardedInit) else params
         p = tensor_parallel.unbox(p)[0]
         return train_state.TrainState.create(apply_fn=_compute_in(apply_fn, dtype), params=p, tx=tx)
 
@@ -150,8 +156,8 @@ def xla_fsdp_state(
 def model_dims_of(params: Any, mesh: Mesh) -> dict[str, int]:
     """Per annotated parameter path, the dimension it splits over `model` (see
     `tensor_parallel.model_dims`): `params` is a tree (possibly of shapes) or a
-    zero-argument callable returning one (traced, not run)."""
-    shapes = jax.eval_shape(params) if callable(params) else params
+    `ShardedInit` returning one (traced, not run)."""
+    shapes = shapes_of(params)
     unboxed, names = tensor_parallel.unbox(shapes)
     flat = jax.tree_util.tree_flatten_with_path(unboxed)[0]
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
@@ -211,7 +217,7 @@ def step_ledger(
         axis 0.
       apply_fn: the model's apply function.
       params: the parameter tree (global shapes), a tree of `jax.ShapeDtypeStruct`s, or a
-        zero-argument callable returning it (traced, not run).
+        `zpp.ShardedInit` returning it (traced, not run).
       tx: an optax `GradientTransformation`.
       mesh: a `('node', 'local')` mesh.
       config: a `ZeroPPConfig`, or None for XLA's FSDP in bfloat16.

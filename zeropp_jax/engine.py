@@ -119,11 +119,14 @@ class TrainState(train_state.TrainState):
         Args:
           apply_fn: the model's apply function (e.g. `model.apply`); it is wrapped into the
             sharded island.
-          params: the model's parameters (e.g. `variables['params']`), unsharded; or a
+          params: the model's parameters, unsharded: any pytree of arrays (flax's
+            `variables['params']`, `eqx.partition(model, eqx.is_array)[0]`, a dataclass
+            or NamedTuple registered as a pytree); or a `zpp.ShardedInit` wrapping a
             zero-argument callable that returns them (e.g.
-            `lambda: model.init(key, x)['params']`): sharded init, run once under `jax.jit`
-            with the stored layout as its output sharding, so that neither a device nor
-            the host ever holds the unsharded tree. Both give bit-identical states.
+            `zpp.ShardedInit(lambda: model.init(key, x)['params'])`): sharded init, run
+            once under `jax.jit` with the stored layout as its output sharding, so that
+            neither a device nor the host ever holds the unsharded tree. Both give
+            bit-identical states. A bare callable is refused, not guessed at.
           tx: any optax transformation.
           mesh: a mesh from `zeropp_jax.make_mesh`.
           config: a `ZeroPPConfig` (default: ZeRO++).
@@ -131,7 +134,8 @@ class TrainState(train_state.TrainState):
 
         Raises:
           ValueError: for a mesh without `('node', 'local')` axes, a config that is not a
-            ZeroPPConfig, or parameters that are not float/int arrays.
+            ZeroPPConfig, parameters that are not float/int arrays, or a bare callable as
+            `params` (wrap it in `zpp.ShardedInit`).
         """
         return cls._build(apply_fn, params, tx, mesh, config, abstract=False, **kwargs)
 
@@ -157,8 +161,8 @@ class TrainState(train_state.TrainState):
 
         Args:
           apply_fn: as for `create`.
-          params: as for `create` (a callable is traced with `jax.eval_shape`, not run), or
-            a tree of `jax.ShapeDtypeStruct`s.
+          params: as for `create` (a `ShardedInit` is traced with `jax.eval_shape`, not
+            run), or a tree of `jax.ShapeDtypeStruct`s.
           tx: as for `create`.
           mesh: as for `create`.
           config: as for `create`.

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from zeropp_jax import dataflow
+from zeropp_jax.state_init import ShardedInit
 
 REMAT = ("none", "matmuls", "full")
 """The values of `GPTConfig.remat`."""
@@ -506,16 +506,16 @@ def loss_fn(apply_fn, params, batch: jax.Array, *, train: bool = False) -> jax.A
     return apply_fn({"params": params}, batch[:, :-1], targets=batch[:, 1:], train=train).mean()
 
 
-def init_fn(config: GPTConfig, seed: int) -> Callable[[], dict]:
-    """A zero-argument callable returning the float32 parameters of a `GPT(config)` from
-    an integer seed: what `zpp.TrainState.create(params=...)` takes for sharded init
-    (with `config.model_parallel`, leaves boxed in their `nn.Partitioned` annotations)."""
+def init_fn(config: GPTConfig, seed: int) -> ShardedInit:
+    """Sharded init of a `GPT(config)` from an integer seed: a `zpp.ShardedInit` whose
+    callable returns the float32 parameters (with `config.model_parallel`, leaves boxed in
+    their `nn.Partitioned` annotations), what `zpp.TrainState.create(params=...)` takes."""
 
     def init() -> dict:
         tokens = jnp.zeros((1, config.seq_len), dtype=jnp.int32)
         return GPT(config).init(jax.random.key(seed), tokens)["params"]
 
-    return init
+    return ShardedInit(init)
 
 
 def init_params(config: GPTConfig, seed: int) -> dict:
