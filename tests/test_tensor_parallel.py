@@ -14,9 +14,9 @@ import pytest
 from flax.training import train_state
 
 import zeropp_jax as zpp
+from zeropp_jax import baselines, tensor_parallel
 from zeropp_jax import mesh as mesh_lib
 from zeropp_jax import partition as part
-from zeropp_jax import tensor_parallel
 from zeropp_jax.quant import qmax
 from zeropp_jax.train.model import GPT, GPTConfig, init_fn, init_params, loss_fn
 
@@ -451,3 +451,82 @@ def test_checkpoints_restore_onto_another_model_size_or_none(tmp_path):
         np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
         # The update read the restored Adam moments.
         assert max_rel_err(zpp.gather_params(got_state), zpp.gather_params(want_state)) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- logical names
+
+RULES = (("mlp", "model"), ("embed", "fsdp"), ("out", None))
+
+
+def logical(names, init=None):
+    return nn.with_logical_partitioning(init or nn.initializers.lecun_normal(), names)
+
+
+class LogicalMLP(nn.Module):
+    """`MLP` annotated with logical names (MaxText's and t5x's convention): under `RULES`
+    'mlp' is tensor parallelism, 'embed' ZeRO only, 'vocab' unmapped and 'out' mapped to
+    nothing, so its layout is `MLP`'s."""
+
+    @nn.compact
+    def __call__(self, x):
+        bias = logical(("mlp",), nn.initializers.normal(0.1))
+        h = jnp.tanh(nn.Dense(16, kernel_init=logical(("embed", "mlp")), bias_init=bias)(x))
+        h = nn.Dense(5, kernel_init=logical(("mlp", "embed")))(h)
+        return nn.Dense(3, kernel_init=logical(("vocab", "out")))(jnp.tanh(h))
+
+
+def test_logical_names_under_rules_train_as_the_mesh_names_at_tp2():
+    mesh = zpp.make_mesh(2, 2, model_size=2)
+    config = zpp.ZeroPPConfig(**EXACT)
+    batches = mlp_batches()
+    x = batches[0]["x"]
+    boxed = LogicalMLP().init(jax.random.key(0), x)["params"]
+    tx = optax.adam(1e-2)
+    mesh_named = MLP().init(jax.random.key(0), x)["params"]
+    physical = zpp.TrainState.abstract(apply_fn=MLP().apply, params=mesh_named, tx=tx, mesh=mesh)
+    # From the rules= argument (here), from the active context (below), and for XLA FSDP.
+    by_arg = zpp.TrainState.abstract(
+        apply_fn=LogicalMLP().apply, params=boxed, tx=tx, mesh=mesh, rules=RULES
+    )
+    assert by_arg.layouts == physical.layouts
+    fsdp = [
+        baselines.xla_fsdp_state(**kw, abstract=True)
+        for kw in (
+            dict(apply_fn=MLP().apply, params=mesh_named, tx=tx, mesh=mesh),
+            dict(apply_fn=LogicalMLP().apply, params=boxed, tx=tx, mesh=mesh, rules=RULES),
+        )
+    ]
+    shardings = [[a.sharding for a in jax.tree.leaves((s.params, s.opt_state))] for s in fsdp]
+    assert shardings[0] == shardings[1]
+    assert "model" in str(fsdp[1].params["Dense_0"]["kernel"].sharding.spec)
+    with nn.logical_axis_rules(RULES):
+        state = zpp.TrainState.create(
+            apply_fn=LogicalMLP().apply, params=boxed, tx=tx, mesh=mesh, config=config
+        )
+    assert state.layouts == physical.layouts
+    assert state.params["Dense_0"]["kernel"].sharding.spec == P_TP
+    ref = train_state.TrainState.create(apply_fn=LogicalMLP().apply, params=nn.unbox(boxed), tx=tx)
+    step, ref_step = zpp.shard(mse_step), jax.jit(mse_step)
+    for b in batches:
+        state, m = step(state, b)
+        ref, rm = ref_step(ref, b)
+        np.testing.assert_allclose(float(m["loss"]), float(rm["loss"]), rtol=1e-5)
+    assert max_rel_err(zpp.gather_params(state), ref.params) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "rules,match",
+    [
+        (None, "no logical axis rules are given; pass rules="),
+        ((("mlp", "tensor"),), "map 'mlp' to the mesh axis 'tensor'"),
+    ],
+)
+def test_logical_names_without_rules_or_to_an_unknown_axis_fail_in_one_line(rules, match):
+    x = np.ones((8, 6), np.float32)
+    boxed = LogicalMLP().init(jax.random.key(0), x)["params"]
+    mesh = zpp.make_mesh(2, 2, model_size=2)
+    with pytest.raises(ValueError, match=match) as err:
+        zpp.TrainState.abstract(
+            apply_fn=LogicalMLP().apply, params=boxed, tx=optax.sgd(0.1), mesh=mesh, rules=rules
+        )
+    assert "\n" not in str(err.value)

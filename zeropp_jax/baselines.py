@@ -112,6 +112,7 @@ def xla_fsdp_state(
     mesh: Mesh,
     compute_dtype: Any = jnp.bfloat16,
     abstract: bool = False,
+    rules: tensor_parallel.Rules | None = None,
 ) -> train_state.TrainState:
     """A flax `TrainState` whose parameters and optimizer state are sharded over all devices.
 
@@ -126,6 +127,8 @@ def xla_fsdp_state(
         on every call of `state.apply_fn`.
       abstract: return only the state's `jax.ShapeDtypeStruct`s (shardings set), for
         lowering and compiling a step from shapes; nothing is computed.
+      rules: flax logical axis rules for leaves annotated with
+        `nn.with_logical_partitioning`, as for `zpp.TrainState.create`.
 
     Returns:
       The state, each leaf placed with `fsdp_spec` (the optimizer state is created already
@@ -141,11 +144,11 @@ def xla_fsdp_state(
 
     def create() -> train_state.TrainState:
         p = params.fn() if isinstance(params, ShardedInit) else params
-        p = tensor_parallel.unbox(p)[0]
+        p = tensor_parallel.unbox(p, rules)[0]
         return train_state.TrainState.create(apply_fn=_compute_in(apply_fn, dtype), params=p, tx=tx)
 
     shapes = jax.eval_shape(create)
-    shardings = state_shardings(shapes, mesh, model_dims_of(params, mesh))
+    shardings = state_shardings(shapes, mesh, model_dims_of(params, mesh, rules))
     if abstract:
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
@@ -153,12 +156,15 @@ def xla_fsdp_state(
     return jax.jit(create, out_shardings=shardings)()
 
 
-def model_dims_of(params: Any, mesh: Mesh) -> dict[str, int]:
+def model_dims_of(
+    params: Any, mesh: Mesh, rules: tensor_parallel.Rules | None = None
+) -> dict[str, int]:
     """Per annotated parameter path, the dimension it splits over `model` (see
     `tensor_parallel.model_dims`): `params` is a tree (possibly of shapes) or a
-    `ShardedInit` returning one (traced, not run)."""
+    `ShardedInit` returning one (traced, not run); `rules` resolve logical names (see
+    `tensor_parallel.unbox`)."""
     shapes = shapes_of(params)
-    unboxed, names = tensor_parallel.unbox(shapes)
+    unboxed, names = tensor_parallel.unbox(shapes, rules)
     flat = jax.tree_util.tree_flatten_with_path(unboxed)[0]
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
     dims = tensor_parallel.model_dims(paths, [tuple(np.shape(x)) for _, x in flat], names, mesh)

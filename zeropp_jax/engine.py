@@ -112,6 +112,7 @@ class TrainState(train_state.TrainState):
         tx: optax.GradientTransformation,
         mesh: Mesh,
         config: ZeroPPConfig | None = None,
+        rules: tensor_parallel.Rules | None = None,
         **kwargs: Any,
     ) -> TrainState:
         """Shards `params` over `mesh` and initialises `tx` on the shards.
@@ -130,6 +131,10 @@ class TrainState(train_state.TrainState):
           tx: any optax transformation.
           mesh: a mesh from `zeropp_jax.make_mesh`.
           config: a `ZeroPPConfig` (default: ZeRO++).
+          rules: flax logical axis rules for leaves annotated with
+            `nn.with_logical_partitioning` (default: the box's own, else the active
+            `nn.logical_axis_rules`): a name mapped to `'model'` is split over `model`,
+            one mapped to `'fsdp'`/`'data'` (or unmapped) only ZeRO-sharded.
           **kwargs: other dataclass fields.
 
         Raises:
@@ -137,7 +142,7 @@ class TrainState(train_state.TrainState):
             ZeroPPConfig, parameters that are not float/int arrays, or a bare callable as
             `params` (wrap it in `zpp.ShardedInit`).
         """
-        return cls._build(apply_fn, params, tx, mesh, config, abstract=False, **kwargs)
+        return cls._build(apply_fn, params, tx, mesh, config, rules, abstract=False, **kwargs)
 
     @classmethod
     def abstract(
@@ -148,6 +153,7 @@ class TrainState(train_state.TrainState):
         tx: optax.GradientTransformation,
         mesh: Mesh,
         config: ZeroPPConfig | None = None,
+        rules: tensor_parallel.Rules | None = None,
         **kwargs: Any,
     ) -> TrainState:
         """The state `create` would build, as shapes only: every array leaf is a
@@ -166,9 +172,10 @@ class TrainState(train_state.TrainState):
           tx: as for `create`.
           mesh: as for `create`.
           config: as for `create`.
+          rules: as for `create`.
           **kwargs: other dataclass fields.
         """
-        return cls._build(apply_fn, params, tx, mesh, config, abstract=True, **kwargs)
+        return cls._build(apply_fn, params, tx, mesh, config, rules, abstract=True, **kwargs)
 
     @classmethod
     def _build(
@@ -178,6 +185,7 @@ class TrainState(train_state.TrainState):
         tx: optax.GradientTransformation,
         mesh: Mesh,
         config: ZeroPPConfig | None,
+        rules: tensor_parallel.Rules | None,
         *,
         abstract: bool,
         **kwargs: Any,
@@ -186,7 +194,7 @@ class TrainState(train_state.TrainState):
         if not isinstance(config, ZeroPPConfig):
             raise ValueError(f"config must be a zeropp_jax.ZeroPPConfig, got {type(config)}.")
         mesh_shape(mesh)
-        shapes, names = tensor_parallel.unbox(state_init.shapes_of(params))
+        shapes, names = tensor_parallel.unbox(state_init.shapes_of(params), rules)
         leaf_layouts = _leaf_layouts(shapes, names, mesh, config)
         treedef = jax.tree_util.tree_structure(shapes)
         shardings = [NamedSharding(mesh, part.leaf_spec(lo)) for lo in leaf_layouts]

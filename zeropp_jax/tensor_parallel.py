@@ -2,7 +2,12 @@
 
 A parameter is split over `model` where the model says so: a flax
 `nn.with_partitioning(init, names)` (or `nn.Partitioned` box) whose `names` give `'model'`
-for one dimension. `model_dims` reads those annotations into the dimension of each leaf
+for one dimension; or a `nn.with_logical_partitioning(init, names)` box whose logical
+names the rules (`rules=`, the box's own, or the active `nn.logical_axis_rules`) map to
+mesh axes (`resolve_logical`): a name mapped to `model` is tensor parallelism, one mapped
+to the data-parallel axes (`DATA_PARALLEL_AXES`) means "ZeRO-shard it" (as every
+parameter is), an unmapped name means not split over `model`. `model_dims` reads those
+annotations into the dimension of each leaf
 that `zeropp_jax.partition` splits, checking them against the mesh; `per_model_rank` runs
 a leaf's ZeRO collectives (which see one `model` slice) once per `model` rank, inside the
 island, so that each device gathers and reduces only its own slice and XLA partitions the
@@ -16,33 +21,98 @@ from typing import Any
 
 import jax
 from flax.core import meta
+from flax.linen import spmd
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax import partition as part
+from zeropp_jax.partition import MODEL_AXIS
 
 ZERO_AXES = ("node", "local")
+DATA_PARALLEL_AXES = ("node", "local", "data", "fsdp")
+"""Mesh axes that logical rules may map a name to for "ZeRO-shard it": this mesh's
+data-parallel axes and MaxText's names for them (every parameter is ZeRO-sharded over
+`('node', 'local')` anyway)."""
+
+Rules = Sequence[tuple[str, Any]]
+"""Flax's logical axis rules: `(logical name, mesh axis or axes or None)` pairs, in order
+of precedence (as `nn.logical_axis_rules` takes them)."""
 
 
 def _is_box(x: Any) -> bool:
     return isinstance(x, meta.AxisMetadata)
 
 
-def unbox(params: Any) -> tuple[Any, list[tuple[Any, ...] | None]]:
-    """`(params without boxes, per leaf its partitioning names or None)`.
+def resolve_logical(path: str, names: tuple[Any, ...], rules: Rules | None) -> tuple[Any, ...]:
+    """The mesh names of a leaf annotated with logical `names` under `rules`: per
+    dimension `'model'` (tensor parallelism) or None (not split over `model`).
 
-    Leaves are in the order of `jax.tree_util.tree_leaves` of the unboxed tree. A box
-    other than `nn.Partitioned` (other flax metadata) is unboxed with no names.
+    Flax resolves the names (`nn.logical_to_mesh_axes`: each rule in order, a mesh axis
+    used once); a dimension whose mesh axes are data-parallel (`DATA_PARALLEL_AXES`) or
+    that no rule maps is None here (ZeRO shards it all the same).
+
+    Args:
+      path: the leaf's path (for errors).
+      names: its logical names, one per dimension (None for an unnamed one).
+      rules: the logical rules; None or empty only for a leaf with no names.
+
+    Raises:
+      ValueError: (one line) for names with no rules, or names mapped to a mesh axis that
+        is neither `model` nor data-parallel.
     """
-    flat = jax.tree_util.tree_leaves(params, is_leaf=_is_box)
+    if not rules:
+        if all(n is None for n in names):
+            return tuple(names)
+        raise ValueError(
+            f"parameter {path} is annotated with logical names {names} but no logical axis "
+            "rules are given; pass rules= (e.g. (('mlp', 'model'), ('embed', 'fsdp'))) to "
+            "TrainState.create, or create it inside `with nn.logical_axis_rules(rules):`."
+        )
+    spec = spmd.logical_to_mesh_axes(names, list(rules))
+    out: list[Any] = []
+    for name, entry in zip(names, spec, strict=True):
+        axes = _axes_of(entry)
+        other = [a for a in axes if a != MODEL_AXIS and a not in DATA_PARALLEL_AXES]
+        if other:
+            raise ValueError(
+                f"parameter {path}: the logical rules map {name!r} to the mesh axis "
+                f"{other[0]!r} ({names} -> {tuple(spec)}); map it to 'model' (tensor "
+                f"parallelism), to one of {DATA_PARALLEL_AXES} (ZeRO-shard it) or leave "
+                "it out of the rules (not split over 'model')."
+            )
+        out.append(MODEL_AXIS if MODEL_AXIS in axes else None)
+    return tuple(out)
+
+
+def unbox(params: Any, rules: Rules | None = None) -> tuple[Any, list[tuple[Any, ...] | None]]:
+    """`(params without boxes, per leaf its mesh names or None)`.
+
+    Leaves are in the order of `jax.tree_util.tree_leaves` of the unboxed tree. A
+    `nn.Partitioned` box gives its names as they are; a `nn.LogicallyPartitioned` one its
+    logical names resolved by `resolve_logical` under `rules`, else the box's own rules,
+    else the active `nn.logical_axis_rules`. A box other than these (other flax metadata)
+    is unboxed with no names.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]
     names: list[tuple[Any, ...] | None] = []
-    for x in flat:
-        if isinstance(x, meta.Partitioned):
+    for path, x in flat:
+        if isinstance(x, spmd.LogicallyPartitioned):
+            active = rules if rules is not None else x.rules or spmd.get_logical_axis_rules()
+            names.append(resolve_logical(jax.tree_util.keystr(path), tuple(x.names), active))
+        elif isinstance(x, meta.Partitioned):
             names.append(tuple(x.names))
         else:
             names.extend([None] * len(jax.tree_util.tree_leaves(x)))
-    return meta.unbox(params), names
+
+    def value(x: Any) -> Any:
+        # Without a sharding constraint: the engine and XLA FSDP place leaves themselves,
+        # and `params` may hold shapes.
+        if isinstance(x, meta.Partitioned):
+            return x.unbox(apply_constraint=False)
+        return x.unbox() if _is_box(x) else x
+
+    return jax.tree_util.tree_map(value, params, is_leaf=_is_box), names
 
 
 def _axes_of(name: Any) -> tuple[str, ...]:
