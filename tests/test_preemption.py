@@ -143,8 +143,11 @@ def _signal_at(path, step, target_pid, sig=signal.SIGTERM, timeout=120.0, times=
 def test_sigterm_checkpoints_the_step_and_resume_continues_bit_for_bit(
     tmp_path, capsys, compile_cache
 ):
+    """With int4 weight deltas: the resumed run sends its deltas against the references
+    saved with the checkpoint, as the uninterrupted run does."""
     from zeropp_jax.train import cli
 
+    args = [*TINY, "--weight-delta-bits", "4"]
     steps = 24
     k = random.Random(os.getpid()).randint(3, 8)  # a random step, printed on failure
     run = tmp_path / "run"
@@ -154,8 +157,8 @@ def test_sigterm_checkpoints_the_step_and_resume_continues_bit_for_bit(
     late = []
     previous = signal.signal(signal.SIGTERM, lambda *_: late.append(True))
     try:
-        watcher = _signal_at(run / "metrics.jsonl", k, os.getpid(), times=2)
-        code = cli.main([*TINY, "--steps", str(steps), "--out", str(run)])
+        watcher = _signal_at(run / "metrics.jsonl", k, os.getpid(), timeout=600.0, times=2)
+        code = cli.main([*args, "--steps", str(steps), "--out", str(run)])
         watcher.join(5)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -169,9 +172,9 @@ def test_sigterm_checkpoints_the_step_and_resume_continues_bit_for_bit(
     assert line in printed and f"step_{stopped}" in printed and "--resume" in printed
     assert os.listdir(run / "checkpoints") == [f"step_{stopped}"]
 
-    assert cli.main([*TINY, "--steps", str(steps), "--out", str(run), "--resume"]) == 0
+    assert cli.main([*args, "--steps", str(steps), "--out", str(run), "--resume"]) == 0
     full = tmp_path / "full"
-    assert cli.main([*TINY, "--steps", str(steps), "--out", str(full)]) == 0
+    assert cli.main([*args, "--steps", str(steps), "--out", str(full)]) == 0
     resumed, reference = _losses(run), _losses(full)
     assert sorted(resumed) == list(range(1, steps + 1))
     for step in range(stopped + 1, steps + 1):

@@ -20,12 +20,13 @@ collective by hand.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -75,6 +76,29 @@ def _compute_in(apply_fn: Callable, dtype: jnp.dtype) -> Callable:
 
     apply.__name__ = getattr(apply_fn, "__name__", "apply")
     return apply
+
+
+class TreeTrainState(train_state.TrainState):
+    """flax's `TrainState` for parameters that are not a dict (an Equinox module's arrays,
+    a dataclass or NamedTuple): the same `create` and `apply_gradients`, without flax's
+    look-up of a key in the parameters (which needs a dict)."""
+
+    @classmethod
+    def create(cls, *, apply_fn: Callable, params: Any, tx: Any, **kwargs: Any) -> Any:
+        """The state at step 0 with `tx.init(params)`."""
+        return cls(
+            step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=tx.init(params), **kwargs
+        )
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> Any:
+        """`tx.update` then `optax.apply_updates`, step + 1."""
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        return self.replace(
+            step=self.step + 1,
+            params=optax.apply_updates(self.params, updates),
+            opt_state=opt_state,
+            **kwargs,
+        )
 
 
 def _check_mesh(mesh: Mesh) -> None:
@@ -145,7 +169,8 @@ def xla_fsdp_state(
     def create() -> train_state.TrainState:
         p = params.fn() if isinstance(params, ShardedInit) else params
         p = tensor_parallel.unbox(p, rules)[0]
-        return train_state.TrainState.create(apply_fn=_compute_in(apply_fn, dtype), params=p, tx=tx)
+        kind = train_state.TrainState if isinstance(p, Mapping) else TreeTrainState
+        return kind.create(apply_fn=_compute_in(apply_fn, dtype), params=p, tx=tx)
 
     shapes = jax.eval_shape(create)
     shardings = state_shardings(shapes, mesh, model_dims_of(params, mesh, rules))

@@ -5,7 +5,8 @@ state and the skipped-step counter (each as stored: rows padded to a multiple of
 device count) plus `zeropp.json` describing the parameter tree, into a staging folder
 that is renamed to `path` only once complete: a crash mid-save leaves any previous
 checkpoint at `path` loadable. With `ZeroPPConfig.error_feedback` it also writes the
-error-feedback residuals (see `zeropp_jax.residuals`).
+error-feedback residuals (see `zeropp_jax.residuals`), and with
+`ZeroPPConfig.weight_delta_bits` the weight-delta references (see `zeropp_jax.references`).
 
 `restore_checkpoint(path, target)` loads onto `target`, a `TrainState` built by
 `TrainState.create` on the mesh and config to restore onto. Padding rows are zero by
@@ -14,11 +15,15 @@ zero rows. Nothing derived from the old mesh is restored: the target's own fresh
 are kept for everything that is not in the list above. Error-feedback residuals are
 restored as saved onto a mesh of the same shape; onto another mesh, what they owe the
 gradients (their sum per parameter row) is spread evenly over the new devices; a target
-without error feedback drops them (with a warning).
+without error feedback drops them (with a warning). Weight-delta references are restored as
+saved onto a mesh of the same shape in the same compute dtype, so that a resumed run goes on
+bit for bit; otherwise (or from a checkpoint without them) they are rebuilt from the
+restored parameters by one full weight gather.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -41,6 +46,8 @@ from zeropp_jax.mesh import data_parallel_size
 FORMAT = "zeropp_jax.checkpoint/1"
 STATE_DIR = "state"
 META_FILE = "zeropp.json"
+REFS_KEY = "weight_ref"
+"""The saved tree's entry for the weight-delta references: leaf index (str) -> reference."""
 
 
 def _saved_tree(state: TrainState, residuals: bool = True) -> dict[str, Any]:
@@ -54,6 +61,26 @@ def _saved_tree(state: TrainState, residuals: bool = True) -> dict[str, Any]:
     if residuals and res is not None:
         tree["error_feedback"] = res
     return tree
+
+
+def _saved_refs(state: TrainState) -> dict[str, Any] | None:
+    """The weight-delta references by parameter leaf index (None without them)."""
+    refs = state.weight_ref
+    if refs is None:
+        return None
+    return {str(i): r for i, r in enumerate(refs) if r is not None}
+
+
+def _refs_layout(state: TrainState) -> dict[str, Any] | None:
+    """Which leaves have weight-delta references, their shapes and dtype (None without)."""
+    refs = _saved_refs(state)
+    if refs is None:
+        return None
+    return {
+        "leaves": [int(i) for i in refs],
+        "shapes": [list(r.shape) for r in refs.values()],
+        "dtypes": [jnp.dtype(r.dtype).name for r in refs.values()],
+    }
 
 
 def _param_table(state: TrainState) -> list[list[Any]]:
@@ -82,6 +109,7 @@ def _metadata(state: TrainState) -> dict[str, Any]:
             list(x.shape) for x in jax.tree_util.tree_leaves(_saved_tree(state, residuals=False))
         ],
         "error_feedback": _residual_layout(state),
+        "weight_ref": _refs_layout(state),
         "model_split": [[lo.model_dim, lo.model_size] for lo in state.layouts[1]],
     }
 
@@ -147,8 +175,12 @@ def save_checkpoint(path: str | os.PathLike, state: TrainState, *, overwrite: bo
         os.makedirs(staging)
     _sync("zeropp_ckpt_staging")
     try:
+        tree = _saved_tree(state)
+        refs = _saved_refs(state)
+        if refs:
+            tree[REFS_KEY] = refs
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(staging, STATE_DIR), _saved_tree(state))
+        ckptr.save(os.path.join(staging, STATE_DIR), tree)
         ckptr.wait_until_finished()
         ckptr.close()
         if _is_main():
@@ -280,8 +312,9 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
 
     Returns:
       `target` with step, parameters, optimizer state and skipped-step counter from the
-      checkpoint, sharded for `target.mesh` (and, with `weight_delta_bits`, references
-      rebuilt from the restored parameters by a full weight gather).
+      checkpoint, sharded for `target.mesh` (and, with `weight_delta_bits`, the saved
+      references onto a mesh of the same shape and compute dtype, else references rebuilt
+      from the restored parameters by a full weight gather).
 
     Raises:
       ValueError: for a folder that is not a checkpoint, or trees that differ.
@@ -340,6 +373,9 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     )
     if saved_res is not None:
         abstract_tree["error_feedback"] = _abstract_residuals(saved_res, mesh)
+    keep_refs = _refs_match(meta, target)
+    if meta.get("weight_ref"):
+        abstract_tree[REFS_KEY] = _abstract_refs(meta["weight_ref"], target, keep_refs)
     ckptr = ocp.StandardCheckpointer()
     state_path = os.path.join(path, STATE_DIR)
     loaded = ckptr.restore(state_path, abstract_tree)
@@ -358,6 +394,7 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
         )
 
     residuals = _restored_residuals(loaded.pop("error_feedback", None), meta, target)
+    loaded_refs = loaded.pop(REFS_KEY, None)
     loaded_leaves = jax.tree_util.tree_leaves(loaded)
     loaded = jax.tree_util.tree_unflatten(
         want_def,
@@ -370,10 +407,42 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
         skipped_steps=loaded["skipped_steps"],
         grads_finite=jax.device_put(jnp.array(True), replicated),
     )
-    # The weight-delta references are rebuilt from the restored parameters by one full
-    # gather (they are never read from a checkpoint): the first step after a restore
-    # starts from freshly sent weights on whatever mesh it runs.
+    if keep_refs:
+        # What every node held when the checkpoint was written: the next delta gather
+        # sends what the uninterrupted run would have sent.
+        refs = tuple(loaded_refs.get(str(i)) for i in range(len(target.layouts[1])))
+        return restored.replace(apply_fn=dataclasses.replace(restored.apply_fn, weight_ref=refs))
+    # Onto another mesh or compute dtype (or from a checkpoint without references): rebuilt
+    # from the restored parameters by one full gather.
     return restored.reset_weight_references()
+
+
+def _refs_match(meta: dict[str, Any], target: TrainState) -> bool:
+    """Whether the checkpoint's weight-delta references are the target's as they are: the
+    same mesh shape (so the same pieces in the same order) and, per leaf, shape and dtype."""
+    saved, want = meta.get("weight_ref"), _saved_refs(target)
+    if not saved or want is None:
+        return False
+    same_mesh = meta["mesh"] == {k: int(v) for k, v in target.mesh.shape.items()}
+    layout = list(zip(saved["leaves"], map(tuple, saved["shapes"]), saved["dtypes"], strict=True))
+    want_layout = [(int(i), tuple(r.shape), jnp.dtype(r.dtype).name) for i, r in want.items()]
+    return same_mesh and layout == want_layout
+
+
+def _abstract_refs(saved: dict[str, Any], target: TrainState, keep: bool) -> dict[str, Any]:
+    """The saved references' `jax.ShapeDtypeStruct`s: placed as the target's when `keep`,
+    else spread over the target's devices where they divide (read, then dropped)."""
+    mesh, n_dp = target.mesh, data_parallel_size(target.mesh)
+    want = _saved_refs(target) or {}
+    out = {}
+    for i, shape, dtype in zip(saved["leaves"], saved["shapes"], saved["dtypes"], strict=True):
+        if keep:
+            sharding = want[str(i)].sharding
+        else:
+            spec = part.BATCH_SPEC if shape[0] % n_dp == 0 else part.REPLICATED
+            sharding = NamedSharding(mesh, spec)
+        out[str(i)] = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+    return out
 
 
 def _abstract_residuals(
