@@ -165,11 +165,23 @@ def test_a_dataclass_of_named_tuples_trains_exactly():
     assert max_rel_err(got, ref.params) <= 1e-5
 
 
-def test_a_bare_function_is_not_taken_for_parameters():
-    with pytest.raises(ValueError, match=r"zpp\.ShardedInit\(fn\)"):
+class WithActivation(eqx.Module):
+    w: jax.Array
+    act: typing.Callable = jax.nn.gelu  # a pytree leaf, not an array
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        (lambda: {"w": jnp.ones(8)}, r"callable\), not a tree of arrays.*zpp\.ShardedInit\(fn\)"),
+        (
+            WithActivation(jnp.ones(8)),
+            r"parameter \.act is a .*eqx\.partition\(model, eqx\.is_array",
+        ),
+    ],
+)
+def test_a_function_is_not_taken_for_parameters(params, match):
+    with pytest.raises(ValueError, match=match):
         zpp.TrainState.create(
-            apply_fn=lambda v, x: x,
-            params=lambda: {"w": jnp.ones(8)},
-            tx=optax.sgd(0.1),
-            mesh=zpp.make_mesh(2, 4),
+            apply_fn=lambda v, x: x, params=params, tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4)
         )

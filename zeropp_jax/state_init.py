@@ -51,22 +51,31 @@ class ShardedInit:
 
 def check_params(params: Any) -> None:
     """Raises `ValueError` for `params` that is a bare callable (a function, not a
-    `ShardedInit` and not a pytree with array leaves).
+    `ShardedInit` and not a pytree with array leaves) or holds a callable leaf.
 
     An Equinox module is callable too, so callability alone decides nothing: a value is
-    taken for an init function only when wrapped in `ShardedInit`. Non-array leaves are
-    reported later, by path (`partition.leaf_layout`).
+    taken for an init function only when wrapped in `ShardedInit`. A callable leaf (an
+    Equinox module's activation function) is refused by path; other non-array leaves are
+    reported later (`partition.leaf_layout`).
     """
     if isinstance(params, ShardedInit):
         return
-    leaves = jax.tree_util.tree_leaves(params)
-    if callable(params) and len(leaves) == 1 and leaves[0] is params:
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    if callable(params) and len(leaves) == 1 and leaves[0][1] is params:
         raise ValueError(
             f"params is a {type(params).__name__} (a callable), not a tree of arrays; for "
             "sharded init wrap it: params=zpp.ShardedInit(fn), fn returning the "
             "parameter tree; else pass the tree itself (model.init(...)['params'], or "
             "eqx.partition(model, eqx.is_array)[0] for an Equinox model)."
         )
+    for path, x in leaves:
+        if callable(x) and not is_array(x):
+            raise ValueError(
+                f"parameter {jax.tree_util.keystr(path)} is a {type(x).__name__} (a "
+                "callable), not an array; pass only the model's arrays, e.g. "
+                "eqx.partition(model, eqx.is_array)[0] for an Equinox model (and "
+                "eqx.combine them with the rest inside apply_fn)."
+            )
 
 
 def init_opt_state(
