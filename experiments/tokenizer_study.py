@@ -51,6 +51,13 @@ def _sample(run: pathlib.Path, weights: str) -> tuple[dict[str, float], str]:
     return losses, "\n".join(out[2:-1])
 
 
+def _latest_step(run: pathlib.Path) -> int:
+    steps = [int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")]
+    if not steps:
+        raise RuntimeError(f"{run}: no checkpoint to evaluate")
+    return max(steps)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=800)
@@ -58,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     p.add_argument(
         "--work", type=pathlib.Path, default=None, help="run directories (reused when finished)"
+    )
+    p.add_argument(
+        "--evaluate-only",
+        action="store_true",
+        help="train nothing: evaluate the latest checkpoints in --work (runs stopped early "
+        "by SIGTERM, which checkpoints the step it is on, are reported at that step)",
     )
     args = p.parse_args(argv)
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="tokenizer_study_"))
@@ -72,53 +85,56 @@ def main(argv: list[str] | None = None) -> int:
     meta = json.loads((tok / "meta.json").read_text())
     common = ["--steps", str(args.steps), "--no-progress", "--no-ledger", "--save-every", "0"]
     variants = {
-        "bytes": [],
-        f"BPE {args.vocab}": [
-            *("--data", str(tok / "train.bin"), "--val-data", str(tok / "val.bin")),
-            *("--tokenizer", str(tok / "tokenizer.json")),
-        ],
+        "bytes": ([], 1.0),
+        f"BPE {args.vocab}": (
+            [
+                *("--data", str(tok / "train.bin"), "--val-data", str(tok / "val.bin")),
+                *("--tokenizer", str(tok / "tokenizer.json")),
+            ],
+            # The same validation text in both: its bytes over its BPE tokens.
+            meta["val_bytes"] / meta["val_tokens"],
+        ),
     }
     procs = {}
-    for name, flags in variants.items():
+    for name, (flags, _) in variants.items():
         out = work / name.replace(" ", "")
         cmd = [sys.executable, "-m", "zeropp_jax.train", *common, "--out", str(out), *flags]
         done = out / "summary.json"
-        if done.exists() and json.loads(done.read_text())["steps"] == args.steps:
-            procs[name] = (out, cmd, None)  # finished in --work: reused
+        if args.evaluate_only or (
+            done.exists() and json.loads(done.read_text())["steps"] == args.steps
+        ):
+            procs[name] = (out, cmd, None)  # finished (or stopped) in --work: reused
         else:
             procs[name] = (out, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     rows, samples = [], {}
     for name, (out, cmd, proc) in procs.items():
         if proc is not None:
             printed, _ = proc.communicate(timeout=6 * 3600)
-            if proc.returncode:
+            if proc.returncode not in (0, 3):  # 3: stopped by SIGTERM after a checkpoint
                 raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{printed[-3000:]}")
-        summary = json.loads((out / "summary.json").read_text())
         record = json.loads((out / "run.json").read_text())
+        steps_done = _latest_step(out)
         int8, sample = _sample(out, "int8")
         int4, _ = _sample(out, "int4")
-        per_token = summary["val_bits_per_byte"] / (summary["final_val_loss"] / math.log(2))
+        per_token = variants[name][1]
         samples[name] = sample
 
         def bpb(nats: float, per_token: float = per_token) -> float:
-            return nats / math.log(2) * per_token
+            return nats / math.log(2) / per_token
 
         rows.append(
             {
                 "tokens": name,
                 "vocab": record["vocab_size"],
                 "params_M": round(record["param_count"] / 1e6, 3),
-                "steps": args.steps,
-                "bytes_per_token": round(1 / per_token, 3),
-                "val_loss_nats_per_token": round(summary["final_val_loss"], 4),
-                "val_bits_per_byte": round(summary["val_bits_per_byte"], 4),
+                "steps": f"{steps_done} of {args.steps}",
+                "bytes_per_token": round(per_token, 3),
+                "val_loss_nats_per_token": round(int8["float"], 4),
                 "float_bits_per_byte": round(bpb(int8["float"]), 4),
                 "int8_bits_per_byte": round(bpb(int8["int8"]), 4),
                 "int4_bits_per_byte": round(bpb(int4["int4"]), 4),
                 "int8_vs_float_pct": round(100 * (int8["int8"] / int8["float"] - 1), 3),
                 "int4_vs_float_pct": round(100 * (int4["int4"] / int4["float"] - 1), 3),
-                "tokens_per_s": round(summary["tokens_per_s"]),
-                "wall_s": round(summary["wall_s"], 1),
             }
         )
     args.out.mkdir(parents=True, exist_ok=True)
@@ -128,28 +144,28 @@ def main(argv: list[str] | None = None) -> int:
             "tokens",
             "vocab",
             "params (M)",
+            "steps",
             "bytes/token",
-            "val loss (nats/token)",
-            "val bits/byte",
+            "val loss, float (nats/token)",
+            "float bits/byte",
             "int8 bits/byte",
             "int4 bits/byte",
             "int8 vs float",
             "int4 vs float",
-            "tokens/s",
         ],
         [
             [
                 r["tokens"],
                 r["vocab"],
                 r["params_M"],
+                r["steps"],
                 r["bytes_per_token"],
                 r["val_loss_nats_per_token"],
-                r["val_bits_per_byte"],
+                r["float_bits_per_byte"],
                 r["int8_bits_per_byte"],
                 r["int4_bits_per_byte"],
                 f"{r['int8_vs_float_pct']:+.2f}%",
                 f"{r['int4_vs_float_pct']:+.2f}%",
-                r["tokens_per_s"],
             ]
             for r in rows
         ],
@@ -160,22 +176,26 @@ def main(argv: list[str] | None = None) -> int:
         "",
         head,
         "",
-        f"`python experiments/tokenizer_study.py --steps {args.steps} --vocab {args.vocab}` "
-        f"({(time.time() - t0) / 60:.0f} min). The tiny model (`zeropp-train` defaults: "
+        f"`python experiments/tokenizer_study.py --steps {args.steps} --vocab {args.vocab}`"
+        + (" --evaluate-only" if args.evaluate_only else "")
+        + f" ({(time.time() - t0) / 60:.0f} min). The tiny model (`zeropp-train` defaults: "
         "d_model 128, 4 layers, 128 tokens per sequence, batch 32, full ZeRO++ on a 2 x 4 "
-        f"mesh of emulated CPU devices), {args.steps} steps on the standard library's `.py` "
-        f"files (16 MB, the trainer's split), on bytes and on a byte-level BPE of "
+        f"mesh of emulated CPU devices), {args.steps} steps scheduled on the standard "
+        "library's `.py` files (16 MB, the trainer's split), on bytes and on a byte-level BPE of "
         f"{args.vocab} ids learned offline from the training split by `zeropp-tokenize` "
         f"({meta['train_tokens']:,} training and {meta['val_tokens']:,} validation tokens). "
-        "Bits per byte are of the same validation text for both. The float column is the "
-        "master weights in the run's compute dtype (bfloat16); int8 and int4 are "
+        "A run stopped early (the steps column; SIGTERM checkpoints the step it is on) is "
+        "scored at that checkpoint, in the middle of its learning-rate schedule. "
+        "Bits per byte are of the same validation text for both (nats per token / ln 2 / "
+        "bytes per token, the BPE's measured on its validation token file). The float "
+        "column is the master weights in the run's compute dtype (bfloat16); int8 and int4 are "
         "`zeropp-sample --weights int8|int4`: every weight block-quantized (blocks of 256) "
         "as qwZ gathers it.",
         "",
         table,
         "",
         "A sequence of 128 BPE tokens spans about "
-        f"{rows[1]['bytes_per_token'] * 128:.0f} bytes of text against 128 for bytes, and the "
+        f"{rows[-1]['bytes_per_token'] * 128:.0f} bytes of text against 128 for bytes, and the "
         "BPE's embedding is 16 times larger; both runs take the same steps and tokens per "
         "step.",
         "",
