@@ -12,9 +12,13 @@ gradient-norm all-reduces); then the bytes through each node's network link in o
 direction (`CommLedger.link_bytes`), the number that meets the network. M is the model in
 16-bit bytes (2 bytes per parameter); a collective over G devices sends (G - 1) / G of its
 data per device, so plain ZeRO-3 on 8 devices is 3 x 7/8 = 2.625 M, not 3 M. The first
-row is XLA's own FSDP (`zeropp_jax.baselines`), read from the program XLA:CPU compiled
-(its collectives exist only after compilation); the others are read as lowered. Nothing is
-trained.
+two rows are XLA's own FSDP (`zeropp_jax.baselines`, weights split on the model width,
+activations pinned to the batch at each block): first read from the program XLA:CPU
+compiled (its collectives exist only after compilation; XLA:CPU widens bfloat16
+collectives to float32), then from the program XLA's SPMD partitioner wrote, at the width
+it gives each collective (the wire a GPU compilation sends; an all-reduce sliced to a
+shard counted as the reduce-scatter a GPU compiler makes of it). The others are read as
+lowered. Nothing is trained.
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ import zeropp_jax as zpp  # noqa: E402
 from zeropp_jax import baselines  # noqa: E402
 from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn  # noqa: E402
 
-XLA_FSDP = "XLA FSDP (`jax.jit`, compiled for CPU)"
+XLA_FSDP = "XLA FSDP (`jax.jit`), as XLA:CPU compiled it"
+XLA_FSDP_WIRE = "XLA FSDP (`jax.jit`), at the partitioner's width (GPU wire)"
 
 CONFIGS = {
     XLA_FSDP: None,
+    XLA_FSDP_WIRE: None,
     "`ZeroPPConfig.zero3()`": zpp.ZeroPPConfig.zero3(),
     "qwZ only: `weight_bits=8, hierarchical=False, grad_bits=None`": zpp.ZeroPPConfig(
         hierarchical=False, grad_bits=None
@@ -76,10 +82,14 @@ def _train_step(state, batch):
 
 
 def step_ledger(
-    config: zpp.ZeroPPConfig | None, d_model: int, n_layers: int, mesh_shape
+    config: zpp.ZeroPPConfig | None,
+    d_model: int,
+    n_layers: int,
+    mesh_shape,
+    partitioned: bool = False,
 ) -> zpp.CommLedger:
     """The ledger of one AdamW step of a GPT (`d_model`, `n_layers`, seq 32) on a mesh;
-    `config=None` for XLA's FSDP."""
+    `config=None` for XLA's FSDP (`partitioned`: its partitioner's program)."""
     mesh = zpp.make_mesh(*mesh_shape)
     gpt = GPTConfig(seq_len=32, d_model=d_model, n_layers=n_layers, n_heads=4)
     batch = np.zeros((mesh.size, gpt.seq_len + 1), np.int32)
@@ -91,6 +101,7 @@ def step_ledger(
         tx=optax.adamw(1e-3),
         mesh=mesh,
         config=config,
+        partitioned=partitioned,
     )
 
 
@@ -113,7 +124,7 @@ def table(d_model: int = 64, n_layers: int = 2, mesh_shape=(2, 4)) -> str:
     ]
     params = None
     for label, config in CONFIGS.items():
-        ledger = step_ledger(config, d_model, n_layers, mesh_shape)
+        ledger = step_ledger(config, d_model, n_layers, mesh_shape, label == XLA_FSDP_WIRE)
         params = ledger.param_count
         values = row(ledger)
         cells = [f"{values[(p, w)]:.3f}" for p, w, _ in COLUMNS]

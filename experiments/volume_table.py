@@ -17,7 +17,8 @@ per device) and splits the bytes into
   * the bytes through each node's network link in one direction (`CommLedger.link_bytes`,
     gloo's algorithms) and ZeRO-3's divided by the variant's.
 
-The first variant is XLA's own FSDP, read from the program XLA:CPU compiled (see
+The first two variants are XLA's own FSDP, read from the program XLA:CPU compiled and
+from the program its SPMD partitioner wrote, at the 16-bit width a GPU keeps (see
 `VARIANTS`); the others from the lowered program.
 
 M is the model in 16-bit bytes (2 bytes per parameter). A flat collective over N devices
@@ -60,9 +61,11 @@ PART_TITLES = {
 }
 
 XLA_FSDP = "XLA FSDP (CPU-compiled)"
+XLA_FSDP_WIRE = "XLA FSDP (16-bit wire)"
 
 VARIANTS: dict[str, zpp.ZeroPPConfig | None] = {
     XLA_FSDP: None,
+    XLA_FSDP_WIRE: None,
     "ZeRO-3": zpp.ZeroPPConfig.zero3(),
     "+qwZ": zpp.ZeroPPConfig(weight_bits=8, hierarchical=False, grad_bits=None),
     "+hpZ": zpp.ZeroPPConfig(weight_bits=None, hierarchical=True, grad_bits=None),
@@ -75,8 +78,10 @@ VARIANTS: dict[str, zpp.ZeroPPConfig | None] = {
         weight_delta_bits=4, grad_bits=8, grad_node_bits=2
     ),
 }
-"""The variants of the table: XLA's own FSDP (None: `zeropp_jax.baselines`, read from the
-program XLA:CPU compiled, where its collectives first exist), ZeRO-3, each technique
+"""The variants of the table: XLA's own FSDP (None: `zeropp_jax.baselines`), read from the
+program XLA:CPU compiled (where its collectives first exist; XLA:CPU widens its bfloat16
+collectives to float32) and from the program XLA's SPMD partitioner wrote, before that
+widening (`comm_ledger(..., partitioned=True)`: the 16-bit wire a GPU sends), ZeRO-3, each technique
 alone, full ZeRO++ (int8 weights, hpZ, int4 gradients), two lower-bit variants of it, and
 two with weight deltas (each device keeps its hpZ secondary shard across steps and the
 step sends int4 deltas across nodes; the delta gather runs in `apply_gradients`, so it
@@ -122,9 +127,15 @@ def _train_step(state, batch):
     return state.apply_gradients(grads=grads), {"loss": loss}
 
 
-def step_ledger(size: ModelSize, config: zpp.ZeroPPConfig | None, mesh_shape: tuple[int, int]):
+def step_ledger(
+    size: ModelSize,
+    config: zpp.ZeroPPConfig | None,
+    mesh_shape: tuple[int, int],
+    partitioned: bool = False,
+):
     """The `CommLedger` of one training step (adam) of a GPT of `size` on a mesh
-    (`config=None`: XLA's FSDP, compiled)."""
+    (`config=None`: XLA's FSDP, compiled, or with `partitioned` as its partitioner wrote
+    it)."""
     mesh = zpp.make_mesh(*mesh_shape)
     cfg = size.config
     batch = np.zeros((mesh.devices.size, cfg.seq_len + 1), np.int32)
@@ -136,6 +147,7 @@ def step_ledger(size: ModelSize, config: zpp.ZeroPPConfig | None, mesh_shape: tu
         tx=optax.adam(1e-3),
         mesh=mesh,
         config=config,
+        partitioned=partitioned,
     )
 
 
@@ -242,7 +254,7 @@ def volume_rows(
         base = None
         for name in names:
             start = time.perf_counter()
-            ledger = step_ledger(size, VARIANTS[name], mesh_shape)
+            ledger = step_ledger(size, VARIANTS[name], mesh_shape, name == XLA_FSDP_WIRE)
             row = dict(
                 model=size.label,
                 params=ledger.param_count,

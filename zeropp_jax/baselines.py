@@ -7,8 +7,14 @@ collective by hand.
 
   * The state is a plain `flax.training.train_state.TrainState`, so the same `train_step`
     runs on it unchanged.
-  * Every leaf is sharded along one dimension over all devices (`fsdp_spec`): for a
-    stacked leaf `(layers, ...)` one of its per-layer dimensions, never the layer axis.
+  * Every leaf is sharded along one dimension over all devices (`fsdp_spec`): its
+    embedding (model-width) dimension where it has one, as MaxText maps its `embed`
+    logical axis to the FSDP axis; for a stacked leaf `(layers, ...)` never the layer axis.
+  * The model is expected to pin its activations to the batch at each block's entry and
+    exit (`zeropp_jax.activation_sharding.constrain_to_batch`, as MaxText's models do);
+    the step traces under the mesh, so those constraints apply. Without them XLA's
+    partitioner may run a scanned block tensor-parallel and gather the batch's activations
+    instead of the weights.
   * On a `('node', 'local', 'model')` mesh (tensor parallelism), a leaf annotated with
     `nn.with_partitioning(..., 'model')` is split over `model` at that dimension and over
     the data-parallel axes along another (FSDP + TP, as MaxText shards), and so is its
@@ -40,25 +46,48 @@ ALL_DEVICES = ("node", "local")
 """The mesh axes a leaf is sharded over: all of them, in device order."""
 
 
-def fsdp_spec(shape: tuple[int, ...], num_devices: int, model_dim: int | None = None) -> P:
+def fsdp_spec(
+    shape: tuple[int, ...],
+    num_devices: int,
+    model_dim: int | None = None,
+    embed_size: int | None = None,
+) -> P:
     """The `PartitionSpec` that shards a leaf of global `shape` over all (data-parallel)
     devices, and over `model` at `model_dim` when given.
 
-    The data-parallel dimension is the largest one divisible by `num_devices`, the layer
-    axis (axis 0 of a leaf of rank 3 or more) and `model_dim` excluded; a leaf with no such
-    dimension is not split over them (the small vectors of a model whose widths are not
-    multiples of the device count).
+    The data-parallel dimension is chosen among those divisible by `num_devices`, the layer
+    axis (axis 0 of a leaf of rank 3 or more) and `model_dim` excluded: the last one of
+    size `embed_size` (the model's width: MaxText's `embed` axis; a square `(d, d)`
+    projection splits on its outputs), else the largest one. A leaf with no such dimension
+    is not split over them (the small vectors of a model whose widths are not multiples of
+    the device count).
     """
     dims: list[Any] = [None] * len(shape)
     if model_dim is not None:
         dims[model_dim] = MODEL_AXIS
     candidates = [d for d in range(1 if len(shape) >= 3 else 0, len(shape)) if d != model_dim]
     fits = [d for d in candidates if shape[d] % num_devices == 0 and shape[d] >= num_devices]
-    if fits:
+    embed = [d for d in fits if shape[d] == embed_size]
+    if embed:
+        dims[embed[-1]] = ALL_DEVICES
+    elif fits:
         dims[max(fits, key=lambda d: (shape[d], -d))] = ALL_DEVICES
     while dims and dims[-1] is None:
         dims.pop()
     return P(*dims)
+
+
+def embed_size_of(shapes: Any) -> int | None:
+    """The model width of a parameter tree (of arrays or shapes): the dimension size that
+    the most leaves of rank >= 2 share (the layer axis of a stacked leaf not counted; the
+    larger size on a tie), or None for a tree with no such leaf."""
+    counts: dict[int, int] = {}
+    for x in jax.tree.leaves(shapes):
+        shape = tuple(np.shape(x))
+        if len(shape) >= 2:
+            for size in set(shape[1:] if len(shape) >= 3 else shape):
+                counts[size] = counts.get(size, 0) + 1
+    return max(counts, key=lambda size: (counts[size], size)) if counts else None
 
 
 def cast_floats(tree: Any, dtype: jnp.dtype) -> Any:
@@ -109,12 +138,18 @@ def _check_mesh(mesh: Mesh) -> None:
         )
 
 
-def state_shardings(state: Any, mesh: Mesh, model_dims: dict[str, int] | None = None) -> Any:
+def state_shardings(
+    state: Any,
+    mesh: Mesh,
+    model_dims: dict[str, int] | None = None,
+    embed_size: int | None = None,
+) -> Any:
     """`NamedSharding`s for every array leaf of `state` (concrete or abstract).
 
     `model_dims` maps a parameter's path (`jax.tree_util.keystr` within the parameter
     tree) to the dimension it splits over `model`; every leaf of `state` whose path ends
-    with that path (the parameter, its optimizer moments) is split there.
+    with that path (the parameter, its optimizer moments) is split there. `embed_size` is
+    the model width each leaf is split along where it has it (`fsdp_spec`).
     """
     _check_mesh(mesh)
     n = data_parallel_size(mesh)
@@ -123,7 +158,7 @@ def state_shardings(state: Any, mesh: Mesh, model_dims: dict[str, int] | None = 
     def spec(path: Any, x: Any) -> NamedSharding:
         key = jax.tree_util.keystr(path)
         dim = next((d for p, d in model_dims.items() if key.endswith(p) and d < np.ndim(x)), None)
-        return NamedSharding(mesh, fsdp_spec(np.shape(x), n, dim))
+        return NamedSharding(mesh, fsdp_spec(np.shape(x), n, dim, embed_size))
 
     return jax.tree_util.tree_map_with_path(spec, state)
 
@@ -137,6 +172,7 @@ def xla_fsdp_state(
     compute_dtype: Any = jnp.bfloat16,
     abstract: bool = False,
     rules: tensor_parallel.Rules | None = None,
+    embed_size: int | None = None,
 ) -> train_state.TrainState:
     """A flax `TrainState` whose parameters and optimizer state are sharded over all devices.
 
@@ -153,6 +189,9 @@ def xla_fsdp_state(
         lowering and compiling a step from shapes; nothing is computed.
       rules: flax logical axis rules for leaves annotated with
         `nn.with_logical_partitioning`, as for `zpp.TrainState.create`.
+      embed_size: the model width, the dimension each leaf is split along where it has
+        it (`fsdp_spec`); default `embed_size_of(params)`, the size most weight matrices
+        share.
 
     Returns:
       The state, each leaf placed with `fsdp_spec` (the optimizer state is created already
@@ -173,7 +212,9 @@ def xla_fsdp_state(
         return kind.create(apply_fn=_compute_in(apply_fn, dtype), params=p, tx=tx)
 
     shapes = jax.eval_shape(create)
-    shardings = state_shardings(shapes, mesh, model_dims_of(params, mesh, rules))
+    if embed_size is None:
+        embed_size = embed_size_of(shapes.params)
+    shardings = state_shardings(shapes, mesh, model_dims_of(params, mesh, rules), embed_size)
     if abstract:
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
@@ -218,8 +259,15 @@ def xla_fsdp_step(
     """
     _check_mesh(mesh)
     shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    def step(state: Any, batch: Any) -> Any:
+        # The trace sees the mesh, so the model's `constrain_to_batch` constraints apply.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return train_step(state, batch)
+
+    step.__name__ = getattr(train_step, "__name__", "train_step")
     return jax.jit(
-        train_step,
+        step,
         in_shardings=(shardings, NamedSharding(mesh, BATCH_SPEC)),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=(0,) if donate_state else (),
@@ -235,12 +283,15 @@ def step_ledger(
     tx: Any,
     mesh: Mesh,
     config: Any,
+    partitioned: bool = False,
 ) -> Any:
     """The `CommLedger` of one `train_step` on `batch`, under the engine with `config` (a
     `ZeroPPConfig`), or under XLA's FSDP when `config` is None, for the tables that set
     the engines side by side. Nothing runs and no state is built (the step is lowered from
     shapes): the engine's step is read as lowered, XLA FSDP's as compiled (its collectives
-    exist only once XLA chose them).
+    exist only once XLA chose them), or with `partitioned` as XLA's SPMD partitioner
+    leaves it, before XLA:CPU widens its 16-bit collectives (`comm_ledger(...,
+    partitioned=True)`: the wire a GPU compilation sends).
 
     Args:
       train_step: `(state, batch) -> (state, metrics)`.
@@ -252,6 +303,8 @@ def step_ledger(
       tx: an optax `GradientTransformation`.
       mesh: a `('node', 'local')` mesh.
       config: a `ZeroPPConfig`, or None for XLA's FSDP in bfloat16.
+      partitioned: with `config` None, read the partitioner's program rather than the
+        compiled one.
 
     Returns:
       The ledger of the step, per device (`CommLedger`).
@@ -269,6 +322,18 @@ def step_ledger(
         state = xla_fsdp_state(apply_fn=apply_fn, params=params, tx=tx, mesh=mesh, abstract=True)
         count = sum(int(np.size(x)) for x in jax.tree.leaves(state.params))
         step = xla_fsdp_step(train_step, state, mesh)
-        return comm_ledger(step, state, batch, param_count=count, compiled=True)
+        return comm_ledger(
+            step,
+            state,
+            batch,
+            param_count=count,
+            compiled=not partitioned,
+            partitioned=partitioned,
+        )
+    if partitioned:
+        raise ValueError(
+            "step_ledger: partitioned=True reads XLA FSDP's program (config=None); the "
+            "engine's collectives are its own, read as lowered."
+        )
     state = TrainState.abstract(apply_fn=apply_fn, params=params, tx=tx, mesh=mesh, config=config)
     return comm_ledger(shard(train_step, mesh=mesh, config=config), state, batch)

@@ -6,6 +6,12 @@ into a `CollectiveRecord`: its dtype, its per-device shapes, the mesh axes its r
 groups span, whether it crosses nodes, its phase (forward or backward) and how often it
 runs (the product of the trip counts of the loops around it). `comm_ledger(...,
 compiled=True)` reads XLA's optimised program the same way, to check what actually runs.
+`comm_ledger(..., partitioned=True)` reads the program as XLA's SPMD partitioner leaves it,
+before the backend's own passes: for `jax.jit` steps whose collectives only XLA chooses
+(XLA's FSDP), the collectives at the width the program gives them, before XLA:CPU widens
+16-bit collectives to float32 (`AllReducePromotion`, float normalisation); and an
+all-reduce whose one user keeps a `1/G` slice of it is counted as the reduce-scatter a GPU
+compiler makes of it (XLA's `ReduceScatterCreator`). It is the wire a GPU would carry.
 
 Bytes sent per device follow one set of definitions (DESIGN.md, "How we measure"), with
 `G` the replica group size and `n` the loop trip count:
@@ -58,7 +64,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import glob
+import math
+import os
 import re
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -378,11 +388,77 @@ def _arg_meshes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Iterator[Mesh
             yield leaf.sharding.mesh
 
 
+def _elements(shape: str) -> int:
+    """Elements of an array-shaped HLO type, e.g. `bf16[384,16]{1,0}` -> 6144."""
+    m = re.match(r"\w+\[([\d,]*)\]", shape)
+    if m is None:
+        return -1
+    return math.prod(int(d) for d in m.group(1).split(",") if d)
+
+
+def _sliced_all_reduces(instructions: Sequence[HloInstruction], mesh: Mesh) -> set[str]:
+    """Names of the all-reduces of one computation whose only user is a (dynamic-)slice
+    that keeps `1/G` of the result: what a GPU compiler turns into a reduce-scatter."""
+    users: dict[str, list[HloInstruction]] = collections.defaultdict(list)
+    for ins in instructions:
+        for operand in ins.operands:
+            users[operand].append(ins)
+    out = set()
+    for ins in instructions:
+        if ins.opcode != "all-reduce" or len(users[ins.name]) != 1:
+            continue
+        (user,) = users[ins.name]
+        groups = parse_replica_groups(ins.attr("replica_groups") or "{}", mesh.devices.size)
+        size = len(groups[0]) if groups else 1
+        whole = _elements(ins.shape)
+        if user.opcode in ("slice", "dynamic-slice") and size > 1 and whole > 0:
+            if _elements(user.shape) * size == whole:
+                out.add(ins.name)
+    return out
+
+
+def partitioned_program(lowered: Any) -> tuple[str, str]:
+    """`(partitioned, compiled)`: the HLO text of `lowered` as XLA's SPMD partitioner leaves
+    it (the pass's own dump, before the backend's passes), and the compiled program's.
+
+    Args:
+      lowered: a `jax.stages.Lowered` (e.g. `jax.jit(f).lower(...)`).
+
+    Raises:
+      ValueError: when the compiler wrote no dump after the partitioner.
+    """
+    with tempfile.TemporaryDirectory(prefix="zeropp_partitioned_") as folder:
+        options = {
+            "xla_dump_to": folder,
+            "xla_dump_hlo_pass_re": "spmd-partitioning",
+            "xla_dump_hlo_as_text": True,
+        }
+        # A persistent-cache hit compiles nothing and dumps nothing (JAX leaves the dump
+        # options out of its cache key): compile this one afresh.
+        cached = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        try:
+            compiled = lowered.compile(compiler_options=options)
+        finally:
+            jax.config.update("jax_enable_compilation_cache", cached)
+        found = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
+        if not found:
+            raise ValueError(
+                "comm_ledger(partitioned=True): XLA wrote no dump after its SPMD partitioner "
+                f"into {folder} (files: {sorted(os.listdir(folder))[:5]}); this XLA may "
+                "name the pass differently: read the program with compiled=True instead."
+            )
+        with open(found[-1]) as f:
+            text = f.read()
+    return text, compiled.as_text()
+
+
 def _records_of(
     ins: HloInstruction,
     shapes: Mapping[str, str],
     mesh: Mesh,
     links: str,
+    as_reduce_scatter: bool = False,
 ) -> Iterator[tuple[str, str, int, int, int, tuple[str, ...], bool, tuple, tuple]]:
     """`(op, dtype, in, out, G, axes, cross, node out, node in)` per dtype of one collective,
     one execution.
@@ -392,6 +468,8 @@ def _records_of(
       shapes: `{instruction name: HLO shape}` of its computation (for operand sizes).
       mesh: the mesh the step runs on.
       links: one of `LINK_MODELS`, for the per-node link bytes.
+      as_reduce_scatter: count an all-reduce as a reduce-scatter over its groups (its
+        result sliced to `1/G`, see `_sliced_all_reduces`).
     """
     op = ins.opcode.removesuffix("-start")
     ins_by_dtype: dict[str, int] = collections.defaultdict(int)
@@ -410,7 +488,10 @@ def _records_of(
     axes = group_axes(mesh, groups)
     cross = crosses_nodes(mesh, groups)
     outs_by_dtype: dict[str, int] = collections.defaultdict(int)
-    if ins.opcode.endswith("-start"):  # async results bundle operands; derive outputs
+    if as_reduce_scatter:
+        op = "reduce-scatter"
+        outs_by_dtype.update({d: b // size for d, b in ins_by_dtype.items()})
+    elif ins.opcode.endswith("-start"):  # async results bundle operands; derive outputs
         scale = {"all-gather": size, "reduce-scatter": 1 / size}.get(op, 1)
         outs_by_dtype.update({d: int(b * scale) for d, b in ins_by_dtype.items()})
     else:
@@ -429,6 +510,7 @@ def comm_ledger(
     mesh: Mesh | None = None,
     param_count: int | None = None,
     compiled: bool = False,
+    partitioned: bool = False,
     links: str | None = None,
     **kwargs: Any,
 ) -> CommLedger:
@@ -448,6 +530,9 @@ def comm_ledger(
       param_count: number of model parameters, defining M = 2 * param_count bytes;
         default: `args[0].param_count` when that is an int, else unknown.
       compiled: read the compiled, optimised program rather than the lowered one.
+      partitioned: read the program as XLA's SPMD partitioner leaves it, before the
+        backend widens 16-bit collectives (`partitioned_program`), each all-reduce whose
+        result is sliced to `1/G` counted as a reduce-scatter: a GPU's wire.
       links: the collective algorithms the per-link bytes follow, one of `LINK_MODELS`;
         default `default_links(mesh)` (gloo on CPU, NCCL elsewhere).
       **kwargs: its keyword arguments.
@@ -487,6 +572,11 @@ def comm_ledger(
                 "HLO's device ids are positions in the step's own mesh, so pass that one."
             )
 
+    if compiled and partitioned:
+        raise ValueError(
+            "comm_ledger: compiled=True and partitioned=True; pass one (compiled: the "
+            "program XLA:CPU runs; partitioned: the partitioner's, at the 16-bit width)."
+        )
     if links is None:
         links = default_links(mesh)
     elif links not in LINK_MODELS:
@@ -496,6 +586,9 @@ def comm_ledger(
     if compiled:
         module = parse_hlo_module(lowered.compile().as_text())
         known = {ins.name: count for ins, count in known_trip_counts(module)}
+    elif partitioned:
+        text, compiled_text = partitioned_program(lowered)
+        module = parse_hlo_module(text)
     else:
         module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
     paths = call_paths(module)
@@ -515,7 +608,8 @@ def comm_ledger(
         if count is not None:
             return count
         if compiled_counts is None:
-            compiled_counts = compiled_trip_counts(parse_hlo_module(lowered.compile().as_text()))
+            done = compiled_text if partitioned else lowered.compile().as_text()
+            compiled_counts = compiled_trip_counts(parse_hlo_module(done))
         where = module.locations.get(loop.frame)
         counts = compiled_counts.get((where, phase), set())
         if len(counts) != 1:
@@ -529,6 +623,7 @@ def comm_ledger(
     records = []
     for comp, instructions in module.computations.items():
         shapes = {i.name: i.shape for i in instructions}
+        sliced = _sliced_all_reduces(instructions, mesh) if partitioned else set()
         for ins in instructions:
             if ins.opcode.removesuffix("-start") not in COLLECTIVE_OPS:
                 continue
@@ -540,7 +635,7 @@ def comm_ledger(
                     if call.opcode == "while":
                         loop_names = [*_path_names(path[:depth]), call.op_name]
                         trips *= trip_count(call, caller, phase_of(loop_names))
-                for fields in _records_of(ins, shapes, mesh, links):
+                for fields in _records_of(ins, shapes, mesh, links, ins.name in sliced):
                     op, dtype, n_in, n_out, size, axes, cross, leaving, entering = fields
                     records.append(
                         CollectiveRecord(

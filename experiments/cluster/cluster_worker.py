@@ -88,16 +88,23 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh, model_para
     import optax
 
     import zeropp_jax as zpp
+    from zeropp_jax.activation_sharding import constrain_to_batch
     from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step
     from zeropp_jax.train.data import batch_sharding, local_rows, make_global_batch
 
     class MLP(nn.Module):
+        """Blocks of two Dense layers (the Megatron pairs of `megatron_init`), each
+        block's input and the output pinned to the batch as MaxText pins activations
+        (`constrain_to_batch`: XLA FSDP then gathers weights, never activations; a no-op
+        inside the engine's island)."""
+
         @nn.compact
         def __call__(self, x):
             for i in range(depth):
+                x = constrain_to_batch(x) if i % 2 == 0 else x
                 x = nn.Dense(width, **megatron_init(i, depth, model_parallel))(x)
                 x = jax.nn.gelu(x) if i < depth - 1 else x
-            return x
+            return constrain_to_batch(x)
 
     def train_step(state, batch):
         def loss_fn(params):
@@ -145,7 +152,7 @@ def run_model_parallel(args, mesh, model_parallel: int, names: list[str]) -> lis
 
     me, k = jax.process_index(), model_parallel
     shape_link(args.iface, UNLIMITED, burst_kb=args.burst_kb, latency_ms=args.latency_ms)
-    runs, compile_s, predicted, params = {}, {}, {}, {}
+    runs, compile_s, predicted, predicted_wire, params = {}, {}, {}, {}, {}
     for name in names:
         t0 = time.perf_counter()
         state, step, batch, params[name] = build(
@@ -156,6 +163,16 @@ def run_model_parallel(args, mesh, model_parallel: int, names: list[str]) -> lis
             step, state, batch, mesh=mesh, param_count=params[name], compiled=True
         )
         predicted[name] = ledger.node_link_bytes()[me].tolist()
+        # XLA FSDP at the width its partitioner gives each collective (XLA:CPU widens
+        # bfloat16 to float32 after it): the bytes a GPU compilation would send. The
+        # engine's own collectives already cross at their width (16-bit as raw bits).
+        if name == "xla_fsdp":
+            wire = zpp.comm_ledger(
+                step, state, batch, mesh=mesh, param_count=params[name], partitioned=True
+            )
+            predicted_wire[name] = wire.node_link_bytes()[me].tolist()
+        else:
+            predicted_wire[name] = predicted[name]
         multihost_utils.sync_global_devices(f"{name} tp{k} built")
         state, metrics = step(state, batch)  # compile
         jax.block_until_ready((state, metrics))
@@ -207,6 +224,8 @@ def run_model_parallel(args, mesh, model_parallel: int, names: list[str]) -> lis
                     params=params[name],
                     ledger_tx_bytes=predicted[name][0],
                     ledger_rx_bytes=predicted[name][1],
+                    wire_ledger_tx_bytes=predicted_wire[name][0],
+                    wire_ledger_rx_bytes=predicted_wire[name][1],
                     loss=loss,
                     compile_s=compile_s[name],
                 )

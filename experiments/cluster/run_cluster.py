@@ -179,9 +179,16 @@ def summarize(
             for cfg, recs in procs.items()
         }
         medians = {cfg: statistics.median(times) for cfg, times in per_step.items()}
+        wire_s = {}
+        for cfg, recs in procs.items():
+            measured = [r["tx_bytes"] / r["steps"] for r in recs]
+            ledger = [r["ledger_tx_bytes"] for r in recs]
+            wire = [r.get("wire_ledger_tx_bytes", r["ledger_tx_bytes"]) for r in recs]
+            wire_s[cfg] = equal_wire_step(medians[cfg], rate, measured, ledger, wire)
         for cfg, recs in procs.items():
             measured = [r["tx_bytes"] / r["steps"] for r in recs]  # per direction
             ledger = [r["ledger_tx_bytes"] for r in recs]
+            wire = [r.get("wire_ledger_tx_bytes", r["ledger_tx_bytes"]) for r in recs]
             row = dict(model_parallel=k) if with_tp else {}  # K = 1 alone: columns as before
             row.update(
                 rate=rate,
@@ -195,6 +202,8 @@ def summarize(
                 ledger_mb_node1_to_node0=ledger[1] / 1e6,
                 link_mb_per_step=max(measured) / 1e6,
                 measured_over_ledger=max(measured) / max(ledger) if max(ledger) else None,
+                wire_ledger_mb=max(wire) / 1e6,
+                equal_wire_step_s=wire_s[cfg],
                 link_in_M=max(measured) / (2 * recs[0]["params"]),  # M: the model, 16-bit
                 link_mbit_per_s=max(measured) * 8 / 1e6 / medians[cfg],
                 steps=recs[0]["steps"],
@@ -204,6 +213,11 @@ def summarize(
             for base in BASELINES:
                 row[f"speedup_over_{base}"] = (
                     medians[base] / medians[cfg] if base in medians else None
+                )
+                row[f"equal_wire_speedup_over_{base}"] = (
+                    wire_s[base] / medians[cfg]
+                    if base in wire_s and wire_s[base] is not None
+                    else None
                 )
                 row[f"spreads_apart_from_{base}"] = (
                     base in per_step
@@ -217,6 +231,27 @@ def summarize(
     return rows
 
 
+def equal_wire_step(
+    median_s: float,
+    rate: str,
+    measured: list[float],
+    ledger: list[float],
+    wire: list[float],
+) -> float | None:
+    """The step time a config would take if it sent `wire` bytes instead of `ledger`
+    (per step and direction, per process): a projection by the link model, the median
+    less the time the shaped link takes to carry the difference (at the tbf rate, with
+    the measured protocol overhead, `measured / ledger`). The config's own step when
+    the two agree; None without a rate limit (no link model to project with)."""
+    extra = max(ledger) - max(wire)
+    if extra <= 0:
+        return median_s
+    if rate == "inf":
+        return None
+    overhead = max(measured) / max(ledger)
+    return median_s - extra * overhead * 8 / (float(rate) * 1e6)
+
+
 def _speedup(row: dict, base: str) -> str:
     value = row[f"speedup_over_{base}"]
     if value is None:
@@ -225,6 +260,21 @@ def _speedup(row: dict, base: str) -> str:
         return "1.00x"
     overlap = "" if row[f"spreads_apart_from_{base}"] else " (ranges overlap)"
     return f"{value:.2f}x{overlap}"
+
+
+def _wire_cells(row: dict) -> list[str]:
+    """The equal-wire cells of a row: XLA FSDP's 16-bit ledger and projected step (on
+    its own row), and the speedup over that projection."""
+    if row["config"] != "xla_fsdp":
+        cells = ["", ""]
+    else:
+        step = row["equal_wire_step_s"]
+        cells = [f"{row['wire_ledger_mb']:.2f}", "n/a" if step is None else f"{step:.3f}"]
+    value = row["equal_wire_speedup_over_xla_fsdp"]
+    return [
+        cells[0] + (" / " + cells[1] if cells[1] else ""),
+        "n/a" if value is None else f"{value:.2f}x",
+    ]
 
 
 def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str) -> list[str]:
@@ -238,16 +288,23 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
     paths.append(str(csv_path))
 
     bases = [b for b in BASELINES if any(r[f"speedup_over_{b}"] is not None for r in rows)]
+    wire = "xla_fsdp" in bases
     with_tp = "model_parallel" in rows[0]
     head = (
         ("| TP | " if with_tp else "| ")
         + "link rate | config | step time, median (s) | min-max (s) | link MB/step, measured "
         "| ledger | measured / ledger | in units of M | "
         + " | ".join(f"speedup over {CONFIG_LABELS[b]}" for b in bases)
+        + (
+            " | XLA FSDP at 16 bits: ledger MB, step (s, projected) | speedup over it"
+            if wire
+            else ""
+        )
         + " |"
     )
     lines = [f"# Emulated two-node cluster\n\n{meta}\n", head]
-    lines.append(("|---:|" if with_tp else "|") + "---|---|" + "---:|" * (6 + len(bases)))
+    cols = 6 + len(bases) + 2 * wire
+    lines.append(("|---:|" if with_tp else "|") + "---|---|" + "---:|" * cols)
     for r in rows:
         ratio = "n/a" if r["measured_over_ledger"] is None else f"{r['measured_over_ledger']:.3f}"
         lines.append(
@@ -256,7 +313,10 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
             f"{r['step_s']:.3f} | {r['step_min_s']:.3f}-{r['step_max_s']:.3f} | "
             f"{r['link_mb_per_step']:.2f} | "
             f"{max(r['ledger_mb_node0_to_node1'], r['ledger_mb_node1_to_node0']):.2f} | "
-            f"{ratio} | {r['link_in_M']:.3f} | " + " | ".join(_speedup(r, b) for b in bases) + " |"
+            f"{ratio} | {r['link_in_M']:.3f} | "
+            + " | ".join(_speedup(r, b) for b in bases)
+            + (" | " + " | ".join(_wire_cells(r)) if wire else "")
+            + " |"
         )
     lines.append(
         "\nStep time: per step the slower process, median (and range) over the timed steps, "
@@ -268,6 +328,19 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
         "(2 x parameters). Speedup: the baseline's median step time over the config's, at the "
         "same rate" + (" and TP size" if with_tp else "") + "; '(ranges overlap)' when the two "
         "min-max ranges overlap, so the ratio is not resolved by these steps."
+        + (
+            " XLA FSDP at 16 bits: XLA:CPU widens the baseline's bfloat16 gathers and "
+            "all-reduces to float32, the engine sends its 16-bit values as raw bits; a GPU "
+            "compilation keeps them 16-bit. The ledger column reads the program XLA's SPMD "
+            "partitioner wrote, before that widening (`comm_ledger(..., partitioned=True)`, "
+            "an all-reduce sliced to a shard counted as a reduce-scatter), and the step is a "
+            "projection, not a measurement: XLA FSDP's measured median less the time the "
+            "shaped link takes to carry the difference (at the tbf rate, with the measured "
+            "protocol overhead); none without a rate limit. The last column is that "
+            "projection over the config's measured median (equal wires)."
+            if wire
+            else ""
+        )
         + (
             " TP: the tensor-parallel size K, the `model` axis of `zpp.make_mesh(model_size=K)` "
             "inside each node (4 / K data-parallel devices per node); K = 1 is the two-axis "

@@ -483,6 +483,12 @@ def _train(run: _Run) -> int:
     return 0
 
 
+XLA_FSDP = "XLA FSDP"
+"""The ledger of XLA's FSDP as XLA:CPU compiled it (`summary.json`'s `ledger` key)."""
+XLA_FSDP_WIRE = "XLA FSDP, 16-bit wire"
+"""The ledger of XLA's FSDP at its partitioner's width (`comm_ledger(partitioned=True)`)."""
+
+
 def _ledgers(run: _Run, batch) -> dict[str, Any]:
     """Ledgers of one step of this config and of plain ZeRO-3 (not run). The engine's own
     program is read as lowered; XLA FSDP's collectives exist only once XLA compiled it."""
@@ -490,14 +496,18 @@ def _ledgers(run: _Run, batch) -> dict[str, Any]:
     from zeropp_jax.baselines import step_ledger
 
     if run.config is None:
+        # As XLA:CPU compiled it (bfloat16 collectives widened to float32), and at the width
+        # XLA's partitioner gives each collective (what a GPU compilation sends).
         return {
-            "XLA FSDP": zpp.comm_ledger(
+            name: zpp.comm_ledger(
                 Prelowered(run.lowered_step),
                 batch,
                 mesh=run.mesh,
                 param_count=run.param_count,
-                compiled=True,
+                compiled=not partitioned,
+                partitioned=partitioned,
             )
+            for name, partitioned in ((XLA_FSDP, False), (XLA_FSDP_WIRE, True))
         }
     name = "ZeRO-3" if run.config.is_zero3 else "ZeRO++"
     ledgers = {

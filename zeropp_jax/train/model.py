@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from zeropp_jax import dataflow
+from zeropp_jax.activation_sharding import constrain_to_batch
 from zeropp_jax.state_init import ShardedInit
 
 REMAT = ("none", "matmuls", "full")
@@ -201,7 +202,12 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)).
+
+    Its input and output are constrained to the batch (`constrain_to_batch`, as MaxText
+    constrains activations), which pins XLA's FSDP to gathering weights; a no-op without
+    a mesh and inside the ZeRO++ engine's island.
+    """
 
     config: GPTConfig
 
@@ -209,11 +215,12 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         tp = cfg.model_parallel
+        x = constrain_to_batch(x)
         x = x + CausalSelfAttention(cfg, name="attn")(nn.LayerNorm(name="ln_attn")(x))
         h = nn.LayerNorm(name="ln_mlp")(x)
         h = nn.gelu(_dense(cfg.mlp_ratio * cfg.d_model, 0.02, "fc", COLUMN if tp else None)(h))
         out = _dense(cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers), "out", ROW if tp else None)
-        return x + out(h)
+        return constrain_to_batch(x + out(h))
 
 
 class ScannedBlock(nn.Module):
