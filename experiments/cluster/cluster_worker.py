@@ -93,15 +93,19 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh, model_para
     from zeropp_jax.train.data import batch_sharding, local_rows, make_global_batch
 
     class MLP(nn.Module):
-        """Blocks of two Dense layers (the Megatron pairs of `megatron_init`), each
-        block's input and the output pinned to the batch as MaxText pins activations
-        (`constrain_to_batch`: XLA FSDP then gathers weights, never activations; a no-op
-        inside the engine's island)."""
+        """Dense layers computing in bfloat16 (the input is cast; every config hands the
+        layers bfloat16 weights, and a float32 input would promote them back to float32).
+        Each block's input and the output are pinned to the batch as MaxText pins
+        activations (`constrain_to_batch`: XLA FSDP then gathers weights, never
+        activations; a no-op inside the engine's island); a block is a layer, or with
+        tensor parallelism a Megatron pair (`megatron_init`), whose inner activation is
+        split over `model`."""
 
         @nn.compact
         def __call__(self, x):
+            x = x.astype(jnp.bfloat16)
             for i in range(depth):
-                x = constrain_to_batch(x) if i % 2 == 0 else x
+                x = constrain_to_batch(x) if model_parallel == 1 or i % 2 == 0 else x
                 x = nn.Dense(width, **megatron_init(i, depth, model_parallel))(x)
                 x = jax.nn.gelu(x) if i < depth - 1 else x
             return constrain_to_batch(x)
