@@ -3,7 +3,8 @@
     python experiments/trainer_table.py              # 200 steps each (minutes)
     python experiments/trainer_table.py --steps 2 --out /tmp/t   # smoke run
 
-Runs `zeropp-train` once per engine (ZeRO++, ZeRO-3, XLA FSDP), one after the other, with
+Runs `zeropp-train` once per engine (ZeRO++, ZeRO-3, XLA FSDP), one after the other (or,
+with `--parallel`, at the same time), with
 the same flags, and writes `trainer.md` and `trainer.csv` into `--out` (default
 `experiments/results`): final validation loss, unigram entropy, tokens/s (first step
 excluded), wall time, and the ledger's bytes per step, per device and through each node's
@@ -30,13 +31,22 @@ WIRE = {"XLA FSDP": "XLA FSDP, 16-bit wire"}
 """The `summary.json` ledger of a run at its 16-bit width, where it has its own."""
 
 
-def run(engine: str, steps: int, out: pathlib.Path, extra: list[str]) -> tuple[dict, dict]:
-    """One `zeropp-train` run; returns its summary.json and its run.json."""
+def start(engine: str, steps: int, out: pathlib.Path, extra: list[str]) -> subprocess.Popen:
+    """Starts one `zeropp-train` run writing into `out`."""
     cmd = [sys.executable, "-m", "zeropp_jax.train", "--engine", engine, "--steps", str(steps)]
     cmd += ["--out", str(out), "--no-progress", *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, out: pathlib.Path) -> tuple[dict, dict]:
+    """Waits for a run (an hour at most); returns its summary.json and its run.json."""
+    try:
+        _, err = proc.communicate(timeout=3600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(proc.args)} exited {proc.returncode}:\n{err[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     return summary, json.loads((out / "run.json").read_text())
 
@@ -45,12 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="run the engines at the same time (on a machine shared with other jobs; "
+        "their tokens/s then compare runs that share the cores)",
+    )
     p.add_argument("extra", nargs="*", help="more zeropp-train flags, after --")
     args = p.parse_args(argv)
     rows, codes = [], []
     with tempfile.TemporaryDirectory(prefix="zeropp_trainer_") as tmp:
+        outs = {engine: pathlib.Path(tmp) / engine for engine in ENGINES.values()}
+        procs = {}
+        for engine in ENGINES.values() if args.parallel else ():
+            procs[engine] = start(engine, args.steps, outs[engine], args.extra)
         for label, engine in ENGINES.items():
-            s, record = run(engine, args.steps, pathlib.Path(tmp) / engine, args.extra)
+            proc = procs.get(engine) or start(engine, args.steps, outs[engine], args.extra)
+            s, record = finish(proc, outs[engine])
             codes.append(describe(record["provenance"]))
             (ledger,) = [v for k, v in s["ledger"].items() if k == label]
             # XLA FSDP's wire at the partitioner's width (16-bit, as a GPU sends); the
@@ -96,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         "# zeropp-train under each engine\n\n"
         f"{machine_line()} (this script's process); the runs: {version}; "
         f"`zeropp-train --steps {args.steps}` ({flags}), "
-        "`--engine zeropp`, `zero3` and `xla-fsdp`, one after the other.\n\n"
+        "`--engine zeropp`, `zero3` and `xla-fsdp`, "
+        + ("at the same time" if args.parallel else "one after the other")
+        + ".\n\n"
         + markdown_table(
             head, [list(r.values()) for r in rows], "lrrrrrrrr" + "l" * (len(head) - 9)
         )
