@@ -141,6 +141,13 @@ def test_estimate_terms():
     assert per_use.whole_leaves == 0 and per_use.head == z3.head + 2 * rest
     assert per_use.whole_sum == z3.whole_sum == 2 * rest + 4 * rest // n
     assert per_use.block == z3.block
+    # the platform: XLA:CPU keeps a block's internals in float32 and widens the lookup
+    # gradient's scatter-add (one range of rows), a GPU keeps both in bfloat16
+    on = {p: plan.estimate(gpt, state=state, layouts=state.layouts[1], platform=p, **kw)
+          for p in ("cpu", "gpu")}  # fmt: skip
+    assert on["cpu"].whole_sum == z3.whole_sum and on["gpu"].whole_sum == 2 * rest
+    assert on["cpu"].block - on["gpu"].block == 17 * (4 - 2) * 2048 * d
+    assert on["gpu"].block == z3.block  # without a platform: internals in the compute dtype
 
 
 def test_presets_and_their_parameter_counts():

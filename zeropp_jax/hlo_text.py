@@ -395,3 +395,167 @@ def known_trip_counts(module: HloModule) -> list[tuple[HloInstruction, int]]:
             except (ValueError, KeyError, TypeError):
                 continue
     return out
+
+
+# ----------------------------------------------------------------- scheduled (compiled) HLO
+
+COMPUTE_OPS = ("fusion", "custom-call", "dot", "convolution", "while", "call", "conditional")
+"""Opcodes that do work on a device, as opposed to moving names around (`bitcast`,
+`get-tuple-element`, `tuple`, `parameter`, `constant`, `copy`, collectives)."""
+
+_SYNC_RE = re.compile(r'"is_sync"\s*:\s*true')
+_GEMM_RE = re.compile(r"gemm|cublas|dot|matmul", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledCollective:
+    """One collective of a compiled, scheduled HLO module, where it sits in its schedule.
+
+    Attributes:
+      op: `'all-gather'`, `'reduce-scatter'`, `'all-to-all'`, `'all-reduce'` or
+        `'collective-permute'`.
+      computation: the computation it is scheduled in (a loop body, the entry, ...).
+      name: the instruction that starts it (the collective itself when synchronous).
+      asynchronous: a `-start` / `-done` pair (or `async-start` / `async-done` around the
+        collective) that the compiler left asynchronous; False for a plain collective and
+        for a pair marked `is_sync` (XLA runs it in line).
+      dtypes: numpy names of its operands' element types, each once, in operand order:
+        the dtypes it sends.
+      shapes: its operands' HLO shapes (per device), in operand order.
+      between: names of the compute instructions (`COMPUTE_OPS`) scheduled between its
+        start and its done, in schedule order; empty when synchronous.
+      matmuls: how many of `between` are matrix multiplications (a `dot`, a GEMM fusion or
+        a cuBLAS call).
+      op_name: its `op_name` metadata.
+      replica_groups: the raw `replica_groups` (or `source_target_pairs`) text.
+    """
+
+    op: str
+    computation: str
+    name: str
+    asynchronous: bool
+    dtypes: tuple[str, ...]
+    shapes: tuple[str, ...]
+    between: tuple[str, ...]
+    matmuls: int
+    op_name: str
+    replica_groups: str
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether the schedule lets compute run while it is in flight."""
+        return self.asynchronous and bool(self.between)
+
+
+def _collective_inside(module: HloModule, ins: HloInstruction) -> HloInstruction | None:
+    """The collective an `async-start` wraps (its called computation's), else None."""
+    for callee in ins.called():
+        for inner in module.computations.get(callee, ()):
+            if inner.opcode in COLLECTIVE_OPS:
+                return inner
+    return None
+
+
+def _is_matmul(module: HloModule, ins: HloInstruction) -> bool:
+    if ins.opcode in ("dot", "convolution"):
+        return True
+    if ins.opcode == "custom-call":
+        return bool(_GEMM_RE.search(ins.attr("custom_call_target") or ""))
+    if ins.opcode == "fusion":
+        if _GEMM_RE.search(ins.name) or _GEMM_RE.search(ins.attr("backend_config") or ""):
+            return True
+        return any(
+            inner.opcode in ("dot", "convolution")
+            for callee in ins.called()
+            for inner in module.computations.get(callee, ())
+        )
+    return False
+
+
+def scheduled_collectives(module: HloModule) -> list[ScheduledCollective]:
+    """Every collective of a compiled, scheduled module (`compiled.as_text()` of a GPU
+    program, `is_scheduled=true`), with what is scheduled between its start and its done.
+
+    A scheduled module lists each computation's instructions in the order they run, so
+    the compute between a `-start` and its `-done` is what the schedule lets overlap with
+    the transfer. This is the overlap the program allows, not a measured time. Collectives
+    inside fusions or reducers are not counted (there are none on GPU).
+
+    Raises:
+      ValueError: when a `-start` has no matching `-done` in its computation.
+    """
+    wrapped = {  # the computations async-starts run: their collective is read at the start
+        callee
+        for instructions in module.computations.values()
+        for ins in instructions
+        if ins.opcode == "async-start"
+        for callee in ins.called()
+    }
+    out = []
+    for comp, instructions in module.computations.items():
+        if comp in wrapped:
+            continue
+        shapes = {i.name: i.shape for i in instructions}
+        for k, ins in enumerate(instructions):
+            inner = None
+            if ins.opcode in COLLECTIVE_OPS:
+                op, done_opcode = ins.opcode, None
+            elif ins.opcode.removesuffix("-start") in COLLECTIVE_OPS:
+                op, done_opcode = ins.opcode.removesuffix("-start"), ins.opcode[:-6] + "-done"
+            elif ins.opcode == "async-start" and (inner := _collective_inside(module, ins)):
+                op, done_opcode = inner.opcode, "async-done"
+            else:
+                continue
+            between: list[HloInstruction] = []
+            if done_opcode is not None:
+                chain = {ins.name}  # the start, then any async-update of it
+                for later in instructions[k + 1 :]:
+                    continues = bool(later.operands) and later.operands[0] in chain
+                    if later.opcode == done_opcode and continues:
+                        break
+                    if later.opcode == "async-update" and continues:
+                        chain.add(later.name)
+                        continue
+                    if later.opcode in COMPUTE_OPS:
+                        between.append(later)
+                else:
+                    raise ValueError(
+                        f"scheduled_collectives: {ins.name!r} in {comp!r} has no "
+                        f"{done_opcode!r}; expected a scheduled module (compiled.as_text())."
+                    )
+            synchronous = done_opcode is None or bool(_SYNC_RE.search(ins.attrs))
+            dtypes = [
+                hlo_dtype_name(t)
+                for o in ins.operands
+                for t, _ in _ARRAY_RE.findall(shapes.get(o, ""))
+                if t != "token"
+            ]
+            source = inner or ins
+            groups = source.attr("replica_groups") or source.attr("source_target_pairs") or ""
+            out.append(
+                ScheduledCollective(
+                    op=op,
+                    computation=comp,
+                    name=ins.name,
+                    asynchronous=not synchronous,
+                    dtypes=tuple(dict.fromkeys(dtypes)),
+                    shapes=tuple(shapes.get(o, "") for o in ins.operands),
+                    between=() if synchronous else tuple(b.name for b in between),
+                    matmuls=0 if synchronous else sum(_is_matmul(module, b) for b in between),
+                    op_name=ins.op_name or source.op_name,
+                    replica_groups=groups,
+                )
+            )
+    return out
+
+
+def loop_bodies(module: HloModule) -> dict[str, tuple[HloInstruction, int | None]]:
+    """`{body computation: (its while instruction, known_trip_count or None)}` of every
+    `while` in the module."""
+    counts = {ins.name: n for ins, n in known_trip_counts(module)}
+    out = {}
+    for instructions in module.computations.values():
+        for ins in instructions:
+            if ins.opcode == "while" and (body := ins.attr("body")):
+                out[body.lstrip("%")] = (ins, counts.get(ins.name))
+    return out

@@ -23,8 +23,8 @@ sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, voca
                 the head have freed their buffers: in the compute dtype, c Psi_rest,
                 plus one of its n = `GPTConfig.loss_chunks` ranges of rows in float32,
                 4 Psi_rest / n (XLA's CPU compiler widens a bfloat16 scatter-add's
-                buffer; `embed_lookup`). The sum with the head's gradient is written
-                in place
+                buffer; `embed_lookup`; not on a GPU). The sum with the head's
+                gradient is written in place
   saved         what the backward keeps of the forward: remat "full", the L block inputs
                 (c B S d each); "matmuls", L blocks' matmul outputs (16 c B S d each);
                 "none", L blocks' internals
@@ -180,6 +180,7 @@ def estimate(
     replicated: bool = False,
     per_use_reduce: bool = False,
     internal_bytes: int | None = None,
+    platform: str | None = None,
 ) -> Estimate:
     """The analytic per-device memory of one training step of `GPT(gpt)`.
 
@@ -201,7 +202,11 @@ def estimate(
       per_use_reduce: `ZeroPPConfig.shared_grad="per_use"`: the tied embedding's
         gradient is reduced per use, so the head's is not held through the backward.
       internal_bytes: bytes per value of a block's matmul outputs and elementwise values
-        (`internal_bytes_for` the platform; None: `compute_bytes`).
+        (None: `internal_bytes_for(platform)`, or `compute_bytes` without a platform).
+      platform: the platform XLA compiles for (`jax.default_backend()`, e.g. "cpu" or
+        "gpu"). Besides the internals' width it decides the lookup gradient's sum: XLA's
+        CPU compiler widens that bfloat16 scatter-add's buffer to float32 (one range of
+        rows at a time), a GPU keeps it in the compute dtype. None: as on the CPU.
 
     Returns:
       The estimate, term by term.
@@ -211,6 +216,8 @@ def estimate(
     nodes, local = mesh_shape
     n = 1 if replicated else nodes * local
     c = compute_bytes
+    if internal_bytes is None and platform is not None:
+        internal_bytes = internal_bytes_for(platform, c)
     if layouts is not None:
         padded = sum(lo.padded_size for lo in layouts if lo.sharded)
         block_params = sum(lo.padded_size // lo.lead for lo in layouts if lo.stacked)
@@ -239,7 +246,7 @@ def estimate(
         gradients=FLOAT * padded // n,
         secondary=secondary,
         whole_leaves=whole,
-        whole_sum=c * rest + FLOAT * rest // gpt.loss_chunks,
+        whole_sum=c * rest + (FLOAT * rest // gpt.loss_chunks if platform in (None, "cpu") else 0),
         saved=saved_bytes(gpt, batch, seq, c, internal_bytes),
         block=block,
         head=head,

@@ -129,9 +129,7 @@ def plan_report(args: argparse.Namespace, *, train_step: Callable, tx: Any) -> s
         hierarchical=config is not None and config.hierarchical,
         prefetch=config is None or config.prefetch,
         per_use_reduce=config is not None and config.shared_grad == "per_use",
-        internal_bytes=plan.internal_bytes_for(
-            jax.default_backend(), int(np.dtype(args.compute_dtype).itemsize)
-        ),
+        platform=jax.default_backend(),
     )
     scale, unit = (plan.GB, "GB") if need.total >= plan.GB else (1e6, "MB")
     head = (

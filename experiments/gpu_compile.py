@@ -1,0 +1,751 @@
+"""GPU programs without a GPU: compiles every training step for H200s (or H100s) on this
+machine and reads what the GPU would run.
+
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python experiments/gpu_compile.py          # all rows
+    ... python experiments/gpu_compile.py --models gpt --meshes 2x4 --out /tmp/g  # fewer
+    ... python experiments/gpu_compile.py --flags-study                         # the flags
+
+Needs the CUDA plugin (`pip install "jax-cuda12-plugin[with-cuda]==0.10.2"
+"jax-cuda12-pjrt==0.10.2"`, about 5.5 GB) but no GPU and no driver: XLA's GPU compiler
+builds the program for a target described in `experiments/gpu_targets/<gpu>.txtpb` (a
+`GpuTargetConfigProto` in text form) on a topology of `nodes x 1 x GPUs per node`
+(deviceless ahead-of-time compilation: `jax.experimental.topologies`).
+
+For each engine (the engine's ZeRO-3, ZeRO++ and ZeRO++ with int4 weight deltas, and XLA's
+own FSDP with the activations held to the batch at every block boundary, as MaxText
+does), each model (the trainer's default GPT, scanned; the 1.3B preset, scanned, `--remat
+full`, one sequence of 2048 tokens per GPU) and each mesh, it compiles one training step
+from shapes alone, without XLA flags and with the flags `docs/gpu_cluster.md` recommends
+(`DOC_FLAGS`, passed as compiler options), and reads the compiled, scheduled HLO:
+
+  * every collective, whether asynchronous (a `-start` / `-done` pair XLA did not mark
+    `is_sync`), and the dtypes it sends (`wire_dtypes`; 8- and 4-bit payloads travel as
+    bytes, so the bits per value are read off the payload's shape: bytes per block of the
+    config's block size);
+  * each all-gather (the weight gathers), whether at least one compute instruction (a
+    fusion, a library call such as a GEMM, a loop) is scheduled between its start and its
+    done, and how many of those are matrix multiplications: the overlap the schedule
+    allows, per loop (forward and backward) and outside them;
+  * `compiled.memory_analysis()` per GPU beside `plan.estimate(..., platform="gpu")`
+    (a block's internals and the lookup gradient's sum in the compute dtype);
+  * the bytes through each node's link, from the ledger of the lowered step (what the
+    engine asked for) and from the compiled GPU program (what XLA's GPU compiler kept;
+    NCCL's ring order).
+
+Plus the Pallas kernels alone, each compiled for one GPU of the target (Triton for the
+target's compute capability).
+
+What this is, and what it is not: a compiled schedule shows what the GPU would be allowed
+to overlap, which collectives it runs and in which width, and how much memory XLA plans
+per GPU. It does not say how long anything takes; nothing here is turned into a time.
+
+Writes `gpu_compile.{csv,md}` (and with `--flags-study` `gpu_flags.{csv,md}`) into
+`--out` (default `experiments/results`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gc
+import os
+import pathlib
+import re
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver on this machine
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs JAX; the GPU is a target
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+TARGETS = pathlib.Path(__file__).resolve().parent / "gpu_targets"
+ENGINES = ("ZeRO-3", "ZeRO++", "int4-delta", "XLA FSDP")
+SLUGS = {"ZeRO-3": "zero3", "ZeRO++": "zeropp", "int4-delta": "int4_delta", "XLA FSDP": "xla_fsdp"}
+MODELS = ("gpt", "1.3b")
+MESHES = ("2x4", "2x8")
+FLAG_SETS = ("none", "docs")
+GB = 1e9
+
+DOC_FLAGS: dict[str, Any] = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_all_gather_combine_threshold_bytes": None,  # one layer's bytes (layer_bytes)
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": None,
+}
+"""The XLA flags `docs/gpu_cluster.md` recommends, as compiler options (the same names as
+`XLA_FLAGS` without the dashes). None: one layer's weights in bytes, per model."""
+
+
+def target_config(gpu: str) -> str:
+    """The `GpuTargetConfigProto` text of `gpu` (`experiments/gpu_targets/<gpu>.txtpb`)."""
+    path = TARGETS / f"{gpu}.txtpb"
+    if not path.exists():
+        known = sorted(p.stem for p in TARGETS.glob("*.txtpb"))
+        raise SystemExit(f"gpu_compile: no target config {path}; expected one of {known}.")
+    return path.read_text()
+
+
+def gpu_devices(gpu: str, nodes: int, local: int) -> list:
+    """The devices of a `nodes x 1 x local` topology of `gpu`s (no GPU needed)."""
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=target_config(gpu), topology=f"{nodes}x1x{local}"
+        )
+    except Exception as e:  # the plugin is missing or refuses the config
+        raise SystemExit(
+            f"gpu_compile: cannot describe a CUDA topology ({type(e).__name__}: {e}); install "
+            '"jax-cuda12-plugin[with-cuda]==0.10.2" "jax-cuda12-pjrt==0.10.2" and set '
+            "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1."
+        ) from None
+    return list(topology.devices)
+
+
+def gpu_mesh(gpu: str, nodes: int, local: int):
+    """A `('node', 'local')` mesh (Auto axes) over a topology: node r = host r."""
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    devices = sorted(gpu_devices(gpu, nodes, local), key=lambda d: (d.process_index, d.id))
+    grid = np.array(devices, dtype=object).reshape(nodes, local)
+    return Mesh(grid, ("node", "local"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+# ------------------------------------------------------------------------- the steps
+
+
+@dataclasses.dataclass
+class Step:
+    """A step to compile: the jitted callable, its abstract arguments, the estimate."""
+
+    fn: Any
+    state: Any
+    batch: Any
+    estimate: Any  # plan.estimate(..., platform="gpu")
+    estimate_cpu: Any  # the CPU form, for comparison
+    config: Any  # ZeroPPConfig, or None for XLA FSDP
+    layer_bytes: int
+    param_count: int
+
+
+def model_args(model: str, n: int) -> list[str]:
+    """The trainer's flags for `model` on `n` GPUs."""
+    if model == "gpt":  # the trainer's default: tiny, scanned, no remat, batch 32
+        return ["--batch", "32"]
+    if model == "small":  # for tests: 2 layers of width 32
+        return ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16",
+                "--batch", str(2 * n)]  # fmt: skip
+    return ["--model", model, "--remat", "full", "--seq-len", "2048", "--batch", str(n)]
+
+
+def batch_constrained(apply_fn: Any, mesh: Any) -> Any:
+    """`apply_fn` with every transformer block's input and output held to the batch split
+    over all devices (`with_sharding_constraint`), as MaxText constrains its activations:
+    without it XLA's partitioner may run a block tensor-parallel and move activations
+    instead of weights (DESIGN.md), which is not the FSDP a user would run."""
+    import flax.linen as nn
+    import jax
+    from jax.sharding import NamedSharding
+
+    from zeropp_jax.partition import BATCH_SPEC
+    from zeropp_jax.train.model import Block
+
+    sharding = NamedSharding(mesh, BATCH_SPEC)
+
+    def hold(x):
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def interceptor(next_fun, args, kwargs, context):
+        if not (isinstance(context.module, Block) and context.method_name == "__call__"):
+            return next_fun(*args, **kwargs)
+        return hold(next_fun(hold(args[0]), *args[1:], **kwargs))
+
+    def apply(*args, **kwargs):
+        with nn.intercept_methods(interceptor):
+            return apply_fn(*args, **kwargs)
+
+    return apply
+
+
+def build_step(engine: str, model: str, mesh: Any) -> Step:
+    """The training step of `engine` for `model` on `mesh` (the trainer's `train_step` and
+    AdamW chain), from shapes, with its memory estimates."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    import zeropp_jax as zpp
+    from zeropp_jax import baselines
+    from zeropp_jax.partition import BATCH_SPEC
+    from zeropp_jax.train import plan
+    from zeropp_jax.train.cli import make_optimizer, train_step
+    from zeropp_jax.train.flags import gpt_config, parse_args
+    from zeropp_jax.train.model import GPT, init_fn, param_count
+
+    nodes, local = mesh.devices.shape
+    n = nodes * local
+    args = parse_args(model_args(model, n))
+    gpt = gpt_config(args)
+    net, tx = GPT(gpt), make_optimizer(args)
+    batch = jax.ShapeDtypeStruct(
+        (args.batch, gpt.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, BATCH_SPEC)
+    )
+    kw = dict(batch=args.batch // n, seq=gpt.seq_len, mesh_shape=(nodes, local))
+    d, f = gpt.d_model, gpt.mlp_ratio * gpt.d_model
+    layer_bytes = 2 * (4 * d * d + 2 * d * f + 9 * d + f)
+    if engine == "XLA FSDP":
+        state = baselines.xla_fsdp_state(
+            apply_fn=batch_constrained(net.apply, mesh),
+            params=init_fn(gpt, 0),
+            tx=tx,
+            mesh=mesh,
+            abstract=True,
+        )
+        fn = baselines.xla_fsdp_step(train_step, state, mesh)
+        config = None
+
+        def estimate(platform):
+            return plan.estimate(gpt, state=state, layouts=None, platform=platform, **kw)
+
+    else:
+        config = {
+            "ZeRO-3": zpp.ZeroPPConfig.zero3(),
+            "ZeRO++": zpp.ZeroPPConfig(),
+            "int4-delta": zpp.ZeroPPConfig(weight_delta_bits=4),
+        }[engine]
+        state = zpp.TrainState.abstract(
+            apply_fn=net.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, config=config
+        )
+        fn = zpp.shard(train_step, donate_state=True)
+
+        def estimate(platform):
+            return plan.estimate(
+                gpt,
+                state=state,
+                layouts=state.layouts[1],
+                weight_bits=config.weight_bits,
+                weight_block_size=config.weight_block_size,
+                hierarchical=config.hierarchical,
+                prefetch=config.prefetch,
+                per_use_reduce=config.shared_grad == "per_use",
+                platform=platform,
+                **kw,
+            )
+
+    return Step(
+        fn, state, batch, estimate("gpu"), estimate("cpu"), config, layer_bytes, param_count(gpt)
+    )
+
+
+def compiler_options(flags: str, layer_bytes: int) -> dict[str, Any]:
+    """The XLA options of a flag set: none, or `DOC_FLAGS` with one layer's bytes as the
+    combine thresholds."""
+    if flags == "none":
+        return {}
+    return {k: (layer_bytes if v is None else v) for k, v in DOC_FLAGS.items()}
+
+
+# ------------------------------------------------------------------- reading the program
+
+
+_KEPT_OPS = ("while", "call", "conditional", "async-start", "async-done")
+"""Instructions whose metadata and backend config `minimal_hlo` keeps (and collectives)."""
+_LOCATION_RE = re.compile(
+    r" (?:stack_frame_id|source_line|source_end_line|source_column"
+    r"|source_end_column)=\S+| source_file=\"[^\"]*\""
+)
+
+
+def minimal_hlo(text: str) -> str:
+    """Compiled HLO text cut to what `scheduled_collectives`, `loop_bodies` and the ledger
+    read, for small test fixtures: the source-location tables, the bodies of fused
+    computations and reducers, and the metadata and backend configs of every instruction
+    but collectives, loops and calls are dropped; the schedule order is kept."""
+    from zeropp_jax import hlo_text
+
+    drop = set(re.findall(r" fusion\(.*?calls=%([\w.\-]+)", text))
+    drop |= set(re.findall(r"to_apply=%([\w.\-]+)", text))
+    out, skipping, table = [], False, False
+    for line in text.splitlines():
+        if skipping:
+            skipping = line != "}"
+            continue
+        if line.strip() in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            table = True
+        if table:
+            table = bool(line.strip())
+            continue
+        head = re.match(r"^%([\w.\-]+) \(.*\{$", line)
+        if head and head.group(1) in drop:
+            skipping = True
+            continue
+        ins = hlo_text.parse_instruction(re.sub(r"/\*.*?\*/", "", line))
+        opcode = ins.opcode.removesuffix("-start").removesuffix("-done") if ins else ""
+        if opcode in hlo_text.COLLECTIVE_OPS or (ins and ins.opcode in _KEPT_OPS):
+            line = _LOCATION_RE.sub("", line)
+        else:
+            line = re.sub(r", metadata=\{[^}]*\}", "", line)
+            line = re.sub(r", backend_config=(?:\{.*\}|\"[^\"]*\")$", "", line)
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+class Precompiled:
+    """Hands `comm_ledger(..., compiled=True)` a program compiled already."""
+
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
+
+    def lower(self, *args: Any, **kwargs: Any) -> Precompiled:
+        return self
+
+    def compile(self) -> Any:
+        return self.compiled
+
+
+def axes_of(collective: Any, mesh: Any) -> str:
+    """`node`, `local`, `node+local` (or `-` when no data moves) for a collective."""
+    from zeropp_jax.groups import group_axes
+    from zeropp_jax.hlo_text import parse_replica_groups
+
+    if collective.op == "collective-permute":
+        pairs = parse_replica_groups(collective.replica_groups or "{}", 0)
+        groups = [p for p in pairs if len(set(p)) > 1]
+    else:
+        groups = parse_replica_groups(collective.replica_groups or "{}", mesh.devices.size)
+    return "+".join(group_axes(mesh, groups)) or "-"
+
+
+def wire_text(collectives: list, mesh: Any) -> str:
+    """`op/axes: dtypes` for each distinct kind, e.g. `all-gather/node: float32,int8`."""
+    kinds: dict[str, set[str]] = collections.defaultdict(set)
+    for c in collectives:
+        kinds[f"{c.op}/{axes_of(c, mesh)}"].update(c.dtypes)
+    return "; ".join(f"{k}: {','.join(sorted(v))}" for k, v in sorted(kinds.items()))
+
+
+def gather_bytes(gathers: list) -> str:
+    """Operand bytes per device of the gathers by dtype, in MB (each instruction once)."""
+    from zeropp_jax.hlo_text import array_shapes
+
+    by: dict[str, int] = collections.defaultdict(int)
+    for g in gathers:
+        for shape in g.shapes:
+            for dtype, nbytes in array_shapes(shape):
+                by[dtype] += nbytes
+    return "; ".join(f"{d} {b / 1e6:.3f}" for d, b in sorted(by.items()))
+
+
+def same_bytes(gpu: Any, asked: Any) -> bool:
+    """Whether the GPU program sends per (op, mesh axes, dtype) what the ledger says,
+    through the node links and in total (to 0.1%)."""
+    a, b = gpu.bytes_by("op", "axes", "dtype"), asked.bytes_by("op", "axes", "dtype")
+    keys = {k for k in set(a) | set(b) if max(a.get(k, 0), b.get(k, 0)) > 1024}
+    close = all(
+        abs(a.get(k, 0) - b.get(k, 0)) <= 1e-3 * max(a.get(k, 0), b.get(k, 0)) for k in keys
+    )
+    return close and abs(gpu.link_bytes - asked.link_bytes) <= 1e-3 * max(asked.link_bytes, 1)
+
+
+def read_program(compiled: Any, mesh: Any) -> dict[str, Any]:
+    """What the compiled step runs: collectives, their overlap, per loop."""
+    from zeropp_jax import hlo_text
+    from zeropp_jax.ledger import phase_of
+
+    module = hlo_text.parse_hlo_module(compiled.as_text())
+    collectives = hlo_text.scheduled_collectives(module)
+    bodies = hlo_text.loop_bodies(module)
+    paths = hlo_text.call_paths(module)
+
+    def where(c) -> str:
+        chain = paths.get(c.computation) or [()]
+        names = [call.op_name for call, _ in chain[0]] + [c.op_name]
+        phase = "bwd" if phase_of(names) == "backward" else "fwd"
+        return f"{phase} loop" if c.computation in bodies else phase
+
+    gathers = [c for c in collectives if c.op == "all-gather"]
+    per_place: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+    for g in gathers:
+        counts = per_place[where(g)]
+        counts[0] += 1
+        counts[1] += g.asynchronous
+        counts[2] += g.overlapped
+    places = "; ".join(
+        f"{k} {a}/{o}/{n}" for k, (n, a, o) in sorted(per_place.items()) if n
+    )  # async / overlapped / gathers
+    tight = [
+        f"{g.name} ({where(g)}, {','.join(g.dtypes)}, {'async' if g.asynchronous else 'sync'})"
+        for g in gathers
+        if not g.overlapped
+    ]
+    return {
+        "collectives": len(collectives),
+        "async_collectives": sum(c.asynchronous for c in collectives),
+        "gathers": len(gathers),
+        "overlapped_gathers": sum(g.overlapped for g in gathers),
+        "matmul_overlapped_gathers": sum(g.overlapped and g.matmuls > 0 for g in gathers),
+        "gathers_by_place": places,
+        "wire_dtypes": wire_text(collectives, mesh),
+        "gather_mb": gather_bytes(gathers),
+        "not_overlapped": tight,
+        "loops": {b: n for b, (_, n) in bodies.items()},
+    }
+
+
+def measure(
+    step: Step, mesh: Any, flags: str, save_hlo: pathlib.Path | None = None, name: str = ""
+) -> dict[str, Any]:
+    """Compiles `step` for the mesh's GPUs with the flag set and reads it; with
+    `save_hlo`, writes `minimal_hlo` of the program there as `<name>.hlo.gz`."""
+    import gzip
+
+    import zeropp_jax as zpp
+    from zeropp_jax.train import fit
+
+    t = time.perf_counter()
+    lowered = step.fn.lower(step.state, step.batch)
+    compiled = lowered.compile(compiler_options=compiler_options(flags, step.layer_bytes))
+    seconds = time.perf_counter() - t
+    if save_hlo is not None:
+        save_hlo.mkdir(parents=True, exist_ok=True)
+        data = minimal_hlo(compiled.as_text()).encode()
+        (save_hlo / f"{name}.hlo.gz").write_bytes(gzip.compress(data, mtime=0))
+    program = read_program(compiled, mesh)
+    need = fit.need_of(compiled)
+    gpu_ledger = zpp.comm_ledger(
+        Precompiled(compiled),
+        step.state,
+        step.batch,
+        mesh=mesh,
+        param_count=step.param_count,
+        compiled=True,
+        links="nccl",
+    )
+    if step.config is not None:
+        asked = zpp.comm_ledger(
+            step.fn, step.state, step.batch, param_count=step.param_count, links="nccl"
+        )
+        ledger_link, as_ledger = round(asked.link_bytes / 1e6, 3), same_bytes(gpu_ledger, asked)
+    else:  # XLA's collectives exist only in the compiled program
+        ledger_link, as_ledger = "-", "-"
+    return {
+        **{k: program[k] for k in ("collectives", "async_collectives", "gathers")},
+        "overlapped_gathers": program["overlapped_gathers"],
+        "wire_dtypes": program["wire_dtypes"],
+        "temp_gb": round(need.temp / GB, 3),
+        "estimate_gb": round(step.estimate.total / GB, 3),
+        "total_gb": round(need.total / GB, 3),
+        "total_over_estimate": round(need.total / step.estimate.total, 3),
+        "estimate_cpu_gb": round(step.estimate_cpu.total / GB, 3),
+        "matmul_overlapped_gathers": program["matmul_overlapped_gathers"],
+        "gathers_by_place": program["gathers_by_place"],
+        "link_mb_ledger": ledger_link,
+        "link_mb_gpu": round(gpu_ledger.link_bytes / 1e6, 3),
+        "bytes_as_ledger": as_ledger,
+        "gather_mb": program["gather_mb"],
+        "compile_s": round(seconds, 1),
+        "not_overlapped": " ".join(program["not_overlapped"]),
+    }
+
+
+# ------------------------------------------------------------------------ the kernels
+
+
+def kernel_rows(gpu: str) -> list[dict[str, Any]]:
+    """Each Pallas kernel compiled for one GPU of the target: its custom calls."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import pallas_kernels as pk
+
+    mesh = gpu_mesh(gpu, 1, 1)
+    one = NamedSharding(mesh, P())
+    blocks, n = 4096, 256
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=one)
+
+    def packed(bits, lead=(blocks,)):
+        dtype = jnp.int8 if bits == 8 else jnp.uint8
+        return spec((*lead, n * bits // 8), dtype), spec(lead, jnp.float32)
+
+    cases = {
+        "quantize_blocks 8-bit": (
+            lambda x: pk.quantize_blocks(x, bits=8),
+            (spec((blocks, n), jnp.bfloat16),),
+        ),
+        "quantize_blocks 4-bit": (
+            lambda x: pk.quantize_blocks(x, bits=4),
+            (spec((blocks, n), jnp.float32),),
+        ),
+        "dequantize_blocks 8-bit": (
+            lambda v, s: pk.dequantize_blocks(v, s, bits=8, dtype=jnp.bfloat16),
+            packed(8),
+        ),
+        "dequantize_sum_blocks 4-bit": (
+            lambda v, s: pk.dequantize_sum_blocks(v, s, bits=4),
+            packed(4, (4, blocks)),
+        ),
+        "dequantize_sum_quantize_blocks 4-to-4-bit": (
+            lambda v, s: pk.dequantize_sum_quantize_blocks(v, s, bits=4, out_bits=4),
+            packed(4, (4, blocks)),
+        ),
+    }
+    rows = []
+    for name, (fn, args) in cases.items():
+        t = time.perf_counter()
+        compiled = jax.jit(fn).lower(*args).compile()
+        text = compiled.as_text()
+        calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
+        rows.append(
+            {
+                "kernel": name,
+                "gpu": gpu,
+                "custom_calls": " ".join(calls),
+                "temp_mb": round(compiled.memory_analysis().temp_size_in_bytes / 1e6, 3),
+                "compile_s": round(time.perf_counter() - t, 1),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------- the flags
+
+
+def flags_study(gpu: str) -> list[dict[str, Any]]:
+    """Each recommended flag alone on the trainer GPT's ZeRO++ step (2 x 4): does this
+    jaxlib accept it, and does the schedule change (the sequence of instructions of every
+    computation, compared with no flags)?"""
+    mesh = gpu_mesh(gpu, 2, 4)
+    step = build_step("ZeRO++", "gpt", mesh)
+    lowered = step.fn.lower(step.state, step.batch)
+
+    def signature(compiled) -> tuple:
+        from zeropp_jax import hlo_text
+
+        module = hlo_text.parse_hlo_module(compiled.as_text())
+        return tuple(
+            (len(ins), tuple(i.opcode for i in ins)) for ins in module.computations.values()
+        )
+
+    def overlap(compiled) -> str:
+        program = read_program(compiled, mesh)
+        return (
+            f"{program['overlapped_gathers']}/{program['gathers']} gathers overlapped "
+            f"({program['gathers_by_place']})"
+        )
+
+    base = lowered.compile()
+    base_sig = signature(base)
+    rows = [{"flag": "(none)", "accepted": True, "schedule_changed": "-", "gathers": overlap(base)}]
+    print(rows[-1], flush=True)
+    options = compiler_options("docs", step.layer_bytes)
+    for flag in [*options, "(all of them)"]:
+        opts = options if flag == "(all of them)" else {flag: options[flag]}
+        try:
+            compiled = lowered.compile(compiler_options=opts)
+        except Exception as e:
+            rows.append(
+                {
+                    "flag": flag,
+                    "accepted": f"no: {str(e)[:120]}",
+                    "schedule_changed": "-",
+                    "gathers": "-",
+                }  # fmt: skip
+            )
+        else:
+            value = opts if flag == "(all of them)" else opts[flag]
+            rows.append(
+                {
+                    "flag": flag if flag == "(all of them)" else f"{flag}={value}",
+                    "accepted": True,
+                    "schedule_changed": signature(compiled) != base_sig,
+                    "gathers": overlap(compiled),
+                }
+            )
+        print(rows[-1], flush=True)
+        gc.collect()
+    return rows
+
+
+# ----------------------------------------------------------------------------- main
+
+HEAD = """# GPU programs compiled without a GPU
+
+`python experiments/gpu_compile.py` (deviceless compilation for {gpu} topologies of
+`nodes x 1 x GPUs per node`, jax-cuda12-plugin {plugin}).
+
+{machine}
+
+Each row is one training step compiled by XLA's GPU compiler for that mesh of GPUs, read
+from the compiled, scheduled program. **These are schedules, not times:** an overlapped
+gather is one with at least one compute instruction (a fusion, a GEMM, a Triton call, a
+loop) scheduled between its start and its done, which the GPU is allowed to run while the
+gather is in flight; whether that hides the transfer depends on the real durations, which
+nothing here measures.
+
+Columns: `collectives` (instructions in the program; each loop body counted once),
+`async_collectives` (left asynchronous by XLA), `gathers` / `overlapped_gathers` (all-gathers,
+the weight gathers), `matmul_overlapped_gathers` (of those, with a matrix multiplication in
+between), `gathers_by_place` (per place: asynchronous / overlapped / gathers, `fwd loop`
+and `bwd loop` the scanned layers), `wire_dtypes` (op/mesh axes: dtypes sent; `int8(8b)`,
+`uint8(4b)`: bits per value read off the payload's shape), `temp_gb` (XLA's temporaries
+per GPU), `total_gb` (arguments + temporaries + outputs not aliased, per GPU) against
+`estimate_gb` (`plan.estimate(..., platform="gpu")`; `estimate_cpu_gb` its CPU form, with
+float32 internals), `link_mb_ledger` / `link_mb_gpu`
+(MB per step through one node's link, each way: the lowered step's ledger, and the
+compiled GPU program read the same way with NCCL's ring order).
+
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gpu", default="h200", help="target config in experiments/gpu_targets")
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--meshes", default=",".join(MESHES))
+    p.add_argument("--flags", default=",".join(FLAG_SETS))
+    p.add_argument("--no-kernels", action="store_true", help="skip the Pallas kernels")
+    p.add_argument("--flags-study", action="store_true", help="only the per-flag study")
+    p.add_argument("--out", type=pathlib.Path, default=_common.RESULTS)
+    p.add_argument("--name", default="gpu_compile")
+    p.add_argument(
+        "--save-hlo",
+        type=pathlib.Path,
+        default=None,
+        help="folder for the programs, cut to what is read (minimal_hlo), as <row>.hlo.gz",
+    )
+    p.add_argument("--merge", action="store_true", help="keep the other rows of the CSV")
+    p.add_argument(
+        "--rows-from",
+        type=pathlib.Path,
+        nargs="*",
+        default=None,
+        help="logs of earlier runs: merge the rows they printed, compile nothing",
+    )
+    args = p.parse_args(argv)
+    import warnings
+
+    import jax
+
+    warnings.simplefilter("ignore")  # the engine's per-leaf notes; the rows say what ran
+    from importlib.metadata import version
+
+    head = HEAD.format(
+        gpu=args.gpu.upper(),
+        plugin=version("jax-cuda12-plugin"),
+        machine=_common.machine_line(),
+    )
+    if args.flags_study:
+        rows = flags_study(args.gpu)
+        _common.write_table(args.out, "gpu_flags", head, rows)
+        return
+    csv_path = args.out / f"{args.name}.csv"
+    kernels_path = args.out / f"{args.name}_kernels.csv"
+    old = read_rows(csv_path) if args.merge and csv_path.exists() else []
+
+    def write(rows: list[dict]) -> None:
+        rows = merged(old, rows)
+        _common.write_csv(csv_path, rows)
+        kernels = read_rows(kernels_path) if kernels_path.exists() else []
+        _common.write_text(args.out / f"{args.name}.md", report(head, rows, kernels))
+
+    if args.rows_from:  # rows printed by earlier runs of this script: no compiling
+        import ast
+
+        rows = [
+            ast.literal_eval(line)
+            for log in args.rows_from
+            for line in log.read_text().splitlines()
+            if line.startswith("{'engine'")
+        ]
+        for row in rows:  # rows of runs before the CPU form was a column
+            if "estimate_cpu_gb" not in row:
+                nodes, local = (int(v) for v in row["mesh"].split("x"))
+                step = build_step(row["engine"], row["model"], gpu_mesh(args.gpu, nodes, local))
+                row["estimate_cpu_gb"] = round(step.estimate_cpu.total / GB, 3)
+        write(rows)
+        _common.say_written([args.out / f"{args.name}.md", csv_path])
+        return
+    rows = []
+    for mesh_text in args.meshes.split(","):
+        nodes, local = (int(v) for v in mesh_text.split("x"))
+        mesh = gpu_mesh(args.gpu, nodes, local)
+        for model in args.models.split(","):
+            for engine in args.engines.split(","):
+                step = build_step(engine, model, mesh)
+                for flags in args.flags.split(","):
+                    row = {"engine": engine, "model": model, "mesh": mesh_text, "flags": flags}
+                    name = "_".join((SLUGS[engine], model, mesh_text, flags))
+                    row.update(measure(step, mesh, flags, args.save_hlo, name))
+                    rows.append(row)
+                    print(row, flush=True)
+                    write(rows)  # after every row: a long run keeps what it has
+                    gc.collect()
+                del step
+                jax.clear_caches()
+    if not args.no_kernels:
+        _common.write_csv(kernels_path, kernel_rows(args.gpu))
+        write(rows)
+    _common.say_written([args.out / f"{args.name}.md", csv_path])
+
+
+KEY = ("engine", "model", "mesh", "flags")
+
+
+def read_rows(path: pathlib.Path) -> list[dict[str, Any]]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def merged(old: list[dict], new: list[dict]) -> list[dict]:
+    """`old` with the rows of `new` replacing those of the same key, new keys appended,
+    in the order engines x models x meshes x flags."""
+    by = {tuple(str(r[k]) for k in KEY): r for r in old}
+    by.update({tuple(str(r[k]) for k in KEY): r for r in new})
+
+    def order(key):
+        engine, model, mesh, flags = key
+        rank = {v: i for group in (ENGINES, MODELS, MESHES, FLAG_SETS) for i, v in enumerate(group)}
+        return (rank.get(mesh, 9), rank.get(model, 9), rank.get(engine, 9), rank.get(flags, 9))
+
+    rows = [by[k] for k in sorted(by, key=order)]
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    return [{k: r.get(k, "") for k in columns} for r in rows]
+
+
+def report(head: str, rows: list[dict], kernels: list[dict]) -> str:
+    """The markdown: the table (without the long columns), the kernels, then each gather
+    that has no compute between its start and its done."""
+    short = [k for k in rows[0] if k not in ("not_overlapped", "gather_mb")]
+    text = head + _common.markdown_table(short, [[r[k] for k in short] for r in rows])
+    text += "\nGather operand bytes per GPU by dtype (MB, each instruction once):\n\n"
+    text += _common.markdown_table(
+        [*KEY, "gather_mb"], [[*(r[k] for k in KEY), r["gather_mb"]] for r in rows]
+    )
+    if kernels:
+        text += "\n## The Pallas kernels alone, compiled for one GPU\n\n"
+        text += _common.markdown_table(list(kernels[0]), [list(r.values()) for r in kernels])
+    text += "\n## Gathers with no compute between their start and their done\n\n"
+    for r in rows:
+        if r["not_overlapped"]:
+            text += f"- {', '.join(str(r[k]) for k in KEY)}: {r['not_overlapped']}\n"
+    return text
+
+
+if __name__ == "__main__":
+    main()
