@@ -140,8 +140,8 @@ def model_args(model: str, n: int) -> list[str]:
     """The trainer's flags for `model` on `n` GPUs."""
     if model == "gpt":  # the trainer's default: tiny, scanned, no remat, batch 32
         return ["--batch", "32"]
-    if model == "small":  # for tests: 2 layers of width 32
-        return ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16",
+    if model == "small":  # for tests: 4 layers of width 32
+        return ["--d-model", "32", "--n-layers", "4", "--n-heads", "2", "--seq-len", "16",
                 "--batch", str(2 * n)]  # fmt: skip
     return ["--model", model, "--remat", "full", "--seq-len", "2048", "--batch", str(n)]
 
@@ -599,8 +599,10 @@ Columns: `collectives` (instructions in the program; each loop body counted once
 `async_collectives` (left asynchronous by XLA), `gathers` / `overlapped_gathers` (all-gathers,
 the weight gathers), `matmul_overlapped_gathers` (of those, with a matrix multiplication in
 between), `gathers_by_place` (per place: asynchronous / overlapped / gathers, `fwd loop`
-and `bwd loop` the scanned layers), `wire_dtypes` (op/mesh axes: dtypes sent; `int8(8b)`,
-`uint8(4b)`: bits per value read off the payload's shape), `temp_gb` (XLA's temporaries
+and `bwd loop` the scanned layers), `wire_dtypes` (op/mesh axes: dtypes sent; 4-bit values
+travel packed two per `uint8`), `bytes_as_ledger` (the compiled program sends per op, mesh
+axes and dtype, and through the node links, what the lowered step's ledger counts, to
+0.1%), `temp_gb` (XLA's temporaries
 per GPU), `total_gb` (arguments + temporaries + outputs not aliased, per GPU) against
 `estimate_gb` (`plan.estimate(..., platform="gpu")`; `estimate_cpu_gb` its CPU form, with
 float32 internals), `link_mb_ledger` / `link_mb_gpu`
@@ -662,7 +664,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels = read_rows(kernels_path) if kernels_path.exists() else []
         _common.write_text(args.out / f"{args.name}.md", report(head, rows, kernels))
 
-    if args.rows_from:  # rows printed by earlier runs of this script: no compiling
+    if args.rows_from is not None:  # rows printed by earlier runs: no compiling
         import ast
 
         rows = [
