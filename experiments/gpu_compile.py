@@ -620,6 +620,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--meshes", default=",".join(MESHES))
     p.add_argument("--flags", default=",".join(FLAG_SETS))
     p.add_argument("--no-kernels", action="store_true", help="skip the Pallas kernels")
+    p.add_argument("--kernels-only", action="store_true", help="only the Pallas kernels")
     p.add_argument("--flags-study", action="store_true", help="only the per-flag study")
     p.add_argument("--out", type=pathlib.Path, default=_common.RESULTS)
     p.add_argument("--name", default="gpu_compile")
@@ -664,6 +665,11 @@ def main(argv: list[str] | None = None) -> None:
         kernels = read_rows(kernels_path) if kernels_path.exists() else []
         _common.write_text(args.out / f"{args.name}.md", report(head, rows, kernels))
 
+    if args.kernels_only:
+        _common.write_csv(kernels_path, kernel_rows(args.gpu))
+        write([])
+        _common.say_written([args.out / f"{args.name}.md", kernels_path])
+        return
     if args.rows_from is not None:  # rows printed by earlier runs: no compiling
         import ast
 
