@@ -612,6 +612,21 @@ compiled GPU program read the same way with NCCL's ring order).
 """
 
 
+FLAGS_HEAD = """# The XLA flags of docs/gpu_cluster.md, one at a time
+
+`python experiments/gpu_compile.py --flags-study`: the trainer GPT's ZeRO++ step compiled
+for 2 x 4 H200s without a GPU, with no flag, with each recommended flag alone (as a
+compiler option; the combine thresholds at one layer's bytes) and with all of them.
+`accepted`: the compiler took the option; `schedule_changed`: the compiled program's
+instructions, computation by computation, differ from the one without flags; `gathers`:
+overlapped / all gathers (per place: asynchronous / overlapped / gathers). A schedule,
+not a time.
+
+{machine}
+
+"""
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpu", default="h200", help="target config in experiments/gpu_targets")
@@ -653,6 +668,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.flags_study:
         rows = flags_study(args.gpu)
+        head = FLAGS_HEAD.format(machine=_common.machine_line())
         _common.write_table(args.out, "gpu_flags", head, rows)
         return
     csv_path = args.out / f"{args.name}.csv"
