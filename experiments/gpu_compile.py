@@ -12,8 +12,8 @@ builds the program for a target described in `experiments/gpu_targets/<gpu>.txtp
 (deviceless ahead-of-time compilation: `jax.experimental.topologies`).
 
 For each engine (the engine's ZeRO-3, ZeRO++ and ZeRO++ with int4 weight deltas, and XLA's
-own FSDP with the activations held to the batch at every block boundary, as MaxText
-does), each model (the trainer's default GPT, scanned; the 1.3B preset, scanned, `--remat
+own FSDP, the GPT pinning its activations to the batch at every block boundary, as
+MaxText does), each model (the trainer's default GPT, scanned; the 1.3B preset, scanned, `--remat
 full`, one sequence of 2048 tokens per GPU) and each mesh, it compiles one training step
 from shapes alone, without XLA flags and with the flags `docs/gpu_cluster.md` recommends
 (`DOC_FLAGS`, passed as compiler options), and reads the compiled, scheduled HLO:
@@ -146,35 +146,6 @@ def model_args(model: str, n: int) -> list[str]:
     return ["--model", model, "--remat", "full", "--seq-len", "2048", "--batch", str(n)]
 
 
-def batch_constrained(apply_fn: Any, mesh: Any) -> Any:
-    """`apply_fn` with every transformer block's input and output held to the batch split
-    over all devices (`with_sharding_constraint`), as MaxText constrains its activations:
-    without it XLA's partitioner may run a block tensor-parallel and move activations
-    instead of weights (DESIGN.md), which is not the FSDP a user would run."""
-    import flax.linen as nn
-    import jax
-    from jax.sharding import NamedSharding
-
-    from zeropp_jax.partition import BATCH_SPEC
-    from zeropp_jax.train.model import Block
-
-    sharding = NamedSharding(mesh, BATCH_SPEC)
-
-    def hold(x):
-        return jax.lax.with_sharding_constraint(x, sharding)
-
-    def interceptor(next_fun, args, kwargs, context):
-        if not (isinstance(context.module, Block) and context.method_name == "__call__"):
-            return next_fun(*args, **kwargs)
-        return hold(next_fun(hold(args[0]), *args[1:], **kwargs))
-
-    def apply(*args, **kwargs):
-        with nn.intercept_methods(interceptor):
-            return apply_fn(*args, **kwargs)
-
-    return apply
-
-
 def build_step(engine: str, model: str, mesh: Any) -> Step:
     """The training step of `engine` for `model` on `mesh` (the trainer's `train_step` and
     AdamW chain), from shapes, with its memory estimates."""
@@ -203,7 +174,7 @@ def build_step(engine: str, model: str, mesh: Any) -> Step:
     layer_bytes = 2 * (4 * d * d + 2 * d * f + 9 * d + f)
     if engine == "XLA FSDP":
         state = baselines.xla_fsdp_state(
-            apply_fn=batch_constrained(net.apply, mesh),
+            apply_fn=net.apply,  # the GPT pins its activations to the batch itself
             params=init_fn(gpt, 0),
             tx=tx,
             mesh=mesh,
