@@ -226,11 +226,15 @@ def test_kernels_compile_for_sm90():
 
 
 @needs_plugin
-def test_small_zeropp_step_compiles_with_asynchronous_8_bit_gathers():
-    mesh = gpu_compile.gpu_mesh("h200", 2, 2)
-    step = gpu_compile.build_step("ZeRO++", "small", mesh)
+def test_zeropp_step_compiles_with_asynchronous_8_bit_gathers():
+    """The trainer GPT's ZeRO++ step, compiled here, keeps what the saved program shows.
+    (At width 32 on 2 x 2 GPUs one backward-loop gather is synchronous: too little compute
+    to put beside it.)"""
+    mesh = gpu_compile.gpu_mesh("h200", 2, 4)
+    step = gpu_compile.build_step("ZeRO++", "gpt", mesh)
     lowered = step.fn.lower(step.state, step.batch)
-    compiled = lowered.compile(compiler_options=gpu_compile.compiler_options("docs", 1 << 20))
+    options = gpu_compile.compiler_options("docs", step.layer_bytes)
+    compiled = lowered.compile(compiler_options=options)
     module = hlo_text.parse_hlo_module(compiled.as_text())
     gathers = [c for c in hlo_text.scheduled_collectives(module) if c.op == "all-gather"]
     in_loops = [g for g in gathers if g.computation in hlo_text.loop_bodies(module)]
