@@ -378,6 +378,20 @@ def compiled_trip_counts(module: HloModule) -> dict[LoopKey, set[int]]:
 # ------------------------------------------------------------------------- the ledger
 
 
+def _lowered_trip_counts(lowered: Any) -> dict[LoopKey, set[int]]:
+    """The trip count of each `lax.scan` / static loop of the lowered program, keyed by
+    (source location, phase), for the same loops after partitioning."""
+    module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
+    out: dict[LoopKey, set[int]] = collections.defaultdict(set)
+    for comp, instructions in module.computations.items():
+        for ins in instructions:
+            if ins.opcode == "while":
+                count = scan_trip_count(module, ins, comp)
+                if count is not None:
+                    out[(module.locations.get(ins.frame), phase_of([ins.op_name]))].add(count)
+    return dict(out)
+
+
 def _arg_meshes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Iterator[Mesh]:
     """Meshes of the argument leaves that are `jax.Array`s or `jax.ShapeDtypeStruct`s with
     a `NamedSharding`."""
@@ -593,6 +607,7 @@ def comm_ledger(
         module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
     paths = call_paths(module)
     compiled_counts: dict[LoopKey, set[int]] | None = None
+    lowered_counts: dict[LoopKey, set[int]] | None = None
 
     def trip_count(loop: HloInstruction, comp: str, phase: str) -> int:
         nonlocal compiled_counts
@@ -607,6 +622,13 @@ def comm_ledger(
         count = scan_trip_count(module, loop, comp)
         if count is not None:
             return count
+        if partitioned:  # the partitioner keeps each loop's count: read it as JAX wrote it
+            nonlocal lowered_counts
+            if lowered_counts is None:
+                lowered_counts = _lowered_trip_counts(lowered)
+            found = lowered_counts.get((module.locations.get(loop.frame), phase), set())
+            if len(found) == 1:
+                return next(iter(found))
         if compiled_counts is None:
             done = compiled_text if partitioned else lowered.compile().as_text()
             compiled_counts = compiled_trip_counts(parse_hlo_module(done))
