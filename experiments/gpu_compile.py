@@ -140,9 +140,6 @@ def model_args(model: str, n: int) -> list[str]:
     """The trainer's flags for `model` on `n` GPUs."""
     if model == "gpt":  # the trainer's default: tiny, scanned, no remat, batch 32
         return ["--batch", "32"]
-    if model == "small":  # for tests: 4 layers of width 32
-        return ["--d-model", "32", "--n-layers", "4", "--n-heads", "2", "--seq-len", "16",
-                "--batch", str(2 * n)]  # fmt: skip
     return ["--model", model, "--remat", "full", "--seq-len", "2048", "--batch", str(n)]
 
 
