@@ -5,7 +5,8 @@ parameters (and so the optax state) over all devices; its `apply_fn` is an islan
 each device, runs the model on that device's slice of the batch with each weight gathered
 where it is used (qwZ / hpZ; per layer inside scans, see `zeropp_jax.placement`), and
 sends gradients back through the matching reduction (qgZ). The loss,
-`jax.value_and_grad` and the optax update stay in the global view, so any optax chain keeps
+`jax.value_and_grad` and the optax update stay in the global view, and the update sees
+every parameter in its model shape (`zeropp_jax.optimizer_view`), so any optax chain keeps
 its single-device meaning.
 """
 
@@ -22,9 +23,9 @@ from flax import struct
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 
+from zeropp_jax import optimizer_view, state_init, tensor_parallel
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
-from zeropp_jax import state_init, tensor_parallel
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.island import IslandApply, is_array, make_island_apply
 from zeropp_jax.mesh import data_parallel_size, mesh_shape, model_axis_size
@@ -79,10 +80,13 @@ class TrainState(train_state.TrainState):
     sharded ZeRO-3 style over a `('node', 'local')` mesh.
 
     `params` holds the float32 master parameters in the global view, each float leaf padded
-    along axis 0 to a multiple of the device count and sharded over all devices (so are
-    the optimizer moments). Use `gather_params(state)` for the original shapes and dtypes.
+    in rows to a multiple of the device count and sharded over all devices (see
+    `zeropp_jax.partition`). Use `gather_params(state)` for the original shapes and dtypes.
+    The optimizer runs on model-shaped views of them (`zeropp_jax.optimizer_view`); its
+    moments are kept in the parameters' stored layout.
 
-    Extra fields: `mesh`, `config`, `layouts` (static), `skipped_steps` (updates skipped
+    Extra fields: `mesh`, `config`, `layouts` and `opt_mirror` (static: per optimizer-state
+    leaf, the parameter it mirrors), `skipped_steps` (updates skipped
     for non-finite gradients) and `grads_finite` (whether the last step's gradients were
     finite). `apply_fn` is an `IslandApply`, a pytree node: with
     `config.stochastic_rounding` it carries the step (kept equal to `step` whenever a
@@ -95,6 +99,7 @@ class TrainState(train_state.TrainState):
     mesh: Mesh = struct.field(pytree_node=False, default=None)
     config: ZeroPPConfig = struct.field(pytree_node=False, default=None)
     layouts: Any = struct.field(pytree_node=False, default=None)
+    opt_mirror: tuple | None = struct.field(pytree_node=False, default=None)
     skipped_steps: jax.Array | int = 0
     grads_finite: jax.Array | bool = True
 
@@ -208,7 +213,9 @@ class TrainState(train_state.TrainState):
         else:
             stored = state_init.master_leaves(params, leaf_layouts, shardings)
         master = jax.tree_util.tree_unflatten(treedef, stored)
-        opt_state = state_init.init_opt_state(tx, master, leaf_layouts, mesh, abstract=abstract)
+        opt_state, opt_mirror = optimizer_view.init(
+            tx, master, leaf_layouts, mesh, abstract=abstract
+        )
 
         layouts = (treedef, leaf_layouts)
         replicated = NamedSharding(mesh, part.REPLICATED)
@@ -240,6 +247,7 @@ class TrainState(train_state.TrainState):
             params=R.join(master, residuals),
             tx=tx,
             opt_state=opt_state,
+            opt_mirror=opt_mirror,
             mesh=mesh,
             config=config,
             layouts=layouts,
@@ -260,8 +268,14 @@ class TrainState(train_state.TrainState):
                 f"error-feedback entry {R.KEY!r} but the gradients do"
                 f"{' not' if old_res else ''}; pass the gradients of state.params unchanged."
             )
-        updates, new_opt_state = self.tx.update(grads, self.opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        if self.opt_mirror is None:
+            raise ValueError(
+                "the TrainState has no optimizer mirror table (opt_mirror); build it with "
+                "zpp.TrainState.create rather than the dataclass constructor."
+            )
+        new_params, new_opt_state = optimizer_view.update(
+            self.tx, grads, self.opt_state, params, self.layouts[1], self.opt_mirror, self.mesh
+        )
         finite = _all_finite(grads)
         skipped = self.skipped_steps
         if new_res is not None:

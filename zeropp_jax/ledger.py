@@ -44,7 +44,9 @@ How the HLO is read:
   * Phase: a collective is `'backward'` when any op name on its chain of call sites
     (from the entry computation down to the op itself) names a `transpose(...)`
     (reverse-mode AD, including a `custom_vjp` backward rule) or a
-    `rematted_computation` (recomputation under `jax.checkpoint`); else `'forward'`.
+    `rematted_computation` (recomputation under `jax.checkpoint`); `'update'` when one
+    lies in the optimizer update's named scope (`optimizer_view.UPDATE_SCOPE`); else
+    `'forward'`.
     Inside a `shard_map` body op names are relative to the body, hence the call chain.
   * Loops: the trip count of a `lax.scan` / static `fori_loop` is read from the loop
     itself in the pre-optimisation HLO (counter from a constant, `+1`, `< N`). Any other
@@ -91,8 +93,11 @@ from zeropp_jax.hlo_text import (
     scan_trip_count,
 )
 from zeropp_jax.links import LINK_MODELS, default_links, node_traffic, transfers  # noqa: F401 (public here)
+from zeropp_jax.optimizer_view import UPDATE_SCOPE
 
-PHASES = ("forward", "backward")
+PHASES = ("forward", "backward", "update")
+"""The values of `CollectiveRecord.phase`: `update` is the optimizer update (collectives
+XLA inserts there, seen with `compiled=True`; see `zeropp_jax.optimizer_view`)."""
 
 
 PARTS = ("fwd_gather", "bwd_gather", "grad_reduce", "other")
@@ -100,6 +105,7 @@ PARTS = ("fwd_gather", "bwd_gather", "grad_reduce", "other")
 
 _GRAD_REDUCE_OPS = ("reduce-scatter", "all-to-all", "collective-permute", "all-reduce")
 
+_UPDATE_RE = re.compile(rf"(?:^|/){UPDATE_SCOPE}(?:/|$)")
 _BACKWARD_RE = re.compile(r"(?:^|[/(])(?:transpose\(|rematted_computation(?:/|$))")
 
 
@@ -119,7 +125,7 @@ class CollectiveRecord:
       group_size: devices per replica group (2 for a collective-permute pair).
       axes: mesh axes the groups span, in mesh order; `()` when no data moves.
       cross_node: whether a group holds devices of different nodes.
-      phase: `'forward'` or `'backward'`.
+      phase: `'forward'`, `'backward'` or `'update'` (the optimizer update).
       trip_count: product of the trip counts of the enclosing loops (1 if none).
       op_name: the op's name with its call sites prefixed, for reading.
       node_out_bytes: bytes leaving each node through its network link in one execution,
@@ -162,8 +168,11 @@ class CollectiveRecord:
           backward pass), `'grad_reduce'` for a backward reduce-scatter, all-to-all,
           collective-permute or all-reduce (the gradient reduction; ZeRO-3's ring is
           collective-permutes, XLA's FSDP on CPU all-reduces), and `'other'` for the rest
-          (forward reductions such as the loss, the gradient norm, XLA's own choices).
+          (forward reductions such as the loss, the optimizer update's collectives, XLA's
+          own choices).
         """
+        if self.phase == "update":
+            return "other"
         if self.op == "all-gather":
             return "fwd_gather" if self.phase == "forward" else "bwd_gather"
         if self.op in _GRAD_REDUCE_OPS and self.phase == "backward":
@@ -354,8 +363,13 @@ def _fmt_bytes(num_bytes: float) -> str:
 
 
 def phase_of(op_names: Iterable[str]) -> str:
-    """`'backward'` if any name shows a `transpose(...)` or a remat recomputation."""
-    return "backward" if any(_BACKWARD_RE.search(n) for n in op_names) else "forward"
+    """`'update'` if any name lies in the optimizer update's named scope, else
+    `'backward'` if any shows a `transpose(...)` or a remat recomputation, else
+    `'forward'`."""
+    names = list(op_names)
+    if any(_UPDATE_RE.search(n) for n in names):
+        return "update"
+    return "backward" if any(_BACKWARD_RE.search(n) for n in names) else "forward"
 
 
 def _path_names(path: CallPath) -> list[str]:

@@ -7,25 +7,26 @@ A float leaf is cast to float32 (the master copy) and sharded over all `N` devic
   sharded along axis 0 (`PartitionSpec(('local', 'node'))`): each device holds whole rows.
 - a leaf of rank >= 3, `(d0, d1, ...)`, is treated as stacked (`(layers, rows, cols)`, as
   `nn.scan`, `nnx.scan` and MaxText lay out LLM blocks): axis 0 is kept whole and the leaf
-  is stored as `(d0, C)`, each slice along axis 0 flattened (`d1 * d2 * ...` values) and
-  zero-padded to `C = ceil(d1 * ... / N) * N`, sharded along axis 1
-  (`PartitionSpec(None, ('local', 'node'))`). A scan over the layer axis finds each
-  layer's slice sharded and padded on its own; the layer axis is never split or padded.
-  Within a layer each device holds whole rows of the slice (contiguous values), as the
-  quantization blocks want.
+  is stored as `(d0, C)`, each slice along axis 0 zero-padded in rows, `d1` to
+  `ceil(d1 / N) * N`, and flattened (`C = ceil(d1 / N) * N * d2 * ...` values), sharded
+  along axis 1 (`PartitionSpec(None, ('local', 'node'))`). A scan over the layer axis
+  finds each layer's slice sharded and padded on its own; the layer axis is never split or
+  padded. Within a layer each device holds whole rows of the slice (contiguous values), so
+  that the model-shaped view of the leaf (`zeropp_jax.optimizer_view`) is a crop of the
+  padded rows, per device.
 
 A stacked leaf's per-layer vectors (biases, norm scales: `(layers, width)`, rank 2) have
 the rank-2 layout: they are small, and a scan gathers them whole (see `placement`).
 
 A leaf split for tensor parallelism (`model_dim` set, see `zeropp_jax.tensor_parallel`) is
 first cut into `K = model_size` slices along `model_dim`, one per `model` rank; each slice
-is flattened, zero-padded to `C = ceil(slice values / N) * N` and sharded like a row
-above: stored `(K, C)` with `PartitionSpec('model', ('local', 'node'))`, or, stacked
-(`model_dim >= 1`, axis 0 the layers), `(layers, K, C)` with `PartitionSpec(None, 'model',
-('local', 'node'))`. Inside the island (manual over `('node', 'local')`, `model` left to
-XLA) the `K` axis stays whole: each `model` rank gathers and reduces only its own slice,
-and the gathered weight, put back in its original shape, is split over `model` at
-`model_dim`.
+is zero-padded in rows (its first axis; a stacked leaf's: each layer's) to a multiple of `N`,
+flattened to `C` values and sharded like a row above: stored `(K, C)` with
+`PartitionSpec('model', ('local', 'node'))`, or, stacked (`model_dim >= 1`, axis 0 the
+layers), `(layers, K, C)` with `PartitionSpec(None, 'model', ('local', 'node'))`. Inside
+the island (manual over `('node', 'local')`, `model` left to XLA) the `K` axis stays whole:
+each `model` rank gathers and reduces only its own slice, and the gathered weight, put
+back in its original shape, is split over `model` at `model_dim`.
 
 Each device's shard, flattened, is the *piece* the collectives gather and reduce; a
 gathered leaf, every device's piece in partition order, is turned back into the original
@@ -63,6 +64,8 @@ REFERENCE_SPEC = P("local")
 `(padded_size,)`, each local rank's secondary shard, the same on every node."""
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+LAYOUT_VERSION = 2
+"""The stored layout's version (see `with_devices`); checkpoints record it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +130,22 @@ class LeafLayout:
         return math.prod(shape[1:]) if self.stacked else math.prod(shape)
 
     @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The shape of one kept row (a stacked leaf's layer, a tensor-parallel leaf's
+        `model` slice, both for a stacked tensor-parallel leaf; the leaf itself otherwise).
+        Its first axis is the one padding lengthens."""
+        shape = self.slice_shape
+        return shape[1:] if self.stacked else shape
+
+    @property
+    def padded_rows(self) -> int:
+        """Rows of one kept row after padding (`row_shape[0]` rounded up to the device
+        count; rank <= 2 without tensor parallelism: `padded`)."""
+        if not (self.stacked or self.tensor_parallel):
+            return self.padded
+        return self.padded // math.prod(self.row_shape[1:])
+
+    @property
     def padded_cols(self) -> int:
         """Values per kept row after padding (N times one device's piece of it; tensor
         parallel: of one `model` slice)."""
@@ -184,25 +203,48 @@ def leaf_layout(path: str, x: Any, num_devices: int) -> LeafLayout:
     return with_devices(LeafLayout(shape, dtype.name, sharded, 0), num_devices)
 
 
-def with_devices(layout: LeafLayout, num_devices: int) -> LeafLayout:
-    """The layout of the same leaf padded for `num_devices` data-parallel devices."""
+def with_devices(
+    layout: LeafLayout, num_devices: int, *, version: int = LAYOUT_VERSION
+) -> LeafLayout:
+    """The layout of the same leaf padded for `num_devices` data-parallel devices.
+
+    `version` 2 (this one) pads whole rows: a stacked or tensor-parallel leaf's kept row
+    (one layer, one `model` slice) is padded along its first axis (`row_shape[0]`) to a
+    multiple of `num_devices`, so that every device holds whole rows and the model-shaped
+    view is a crop. `version` 1 (checkpoints written before) padded the kept row's
+    flattened values to a multiple of `num_devices`.
+    """
     if not layout.sharded:
         return layout
-    n = layout.cols if layout.stacked or layout.tensor_parallel else layout.shape[0]
-    return dataclasses.replace(layout, padded=-(-n // num_devices) * num_devices)
+    if not (layout.stacked or layout.tensor_parallel):
+        n = layout.shape[0]
+        return dataclasses.replace(layout, padded=-(-n // num_devices) * num_devices)
+    if version == 1:
+        return dataclasses.replace(layout, padded=-(-layout.cols // num_devices) * num_devices)
+    if version != LAYOUT_VERSION:
+        raise ValueError(f"layout version must be 1 or {LAYOUT_VERSION}, got {version!r}.")
+    rows, *rest = layout.row_shape
+    per_row = math.prod(rest)
+    return dataclasses.replace(layout, padded=-(-rows // num_devices) * num_devices * per_row)
 
 
 def with_model_split(
-    layout: LeafLayout, model_dim: int | None, model_size: int, num_devices: int
+    layout: LeafLayout,
+    model_dim: int | None,
+    model_size: int,
+    num_devices: int,
+    *,
+    version: int = LAYOUT_VERSION,
 ) -> LeafLayout:
     """The layout of the same leaf split over `model_size` `model` ranks at `model_dim`
-    (None, or `model_size` 1: not split), padded for `num_devices` data-parallel devices.
-    The caller has checked that `model_size` divides `shape[model_dim]` and that a
-    stacked leaf is not split along its layer axis."""
+    (None, or `model_size` 1: not split), padded for `num_devices` data-parallel devices
+    (`version`: see `with_devices`). The caller has checked that `model_size` divides
+    `shape[model_dim]` and that a stacked leaf is not split along its layer axis."""
     if not layout.sharded or model_dim is None or model_size == 1:
-        return with_devices(dataclasses.replace(layout, model_dim=None, model_size=1), num_devices)
+        whole = dataclasses.replace(layout, model_dim=None, model_size=1)
+        return with_devices(whole, num_devices, version=version)
     split = dataclasses.replace(layout, model_dim=model_dim, model_size=model_size)
-    return with_devices(split, num_devices)
+    return with_devices(split, num_devices, version=version)
 
 
 def param_layouts(params: Any, num_devices: int) -> Any:

@@ -1,9 +1,9 @@
 """How a `TrainState`'s arrays are made: the stored (float32, padded) master leaves from a
 parameter tree (any pytree of arrays: a flax dict, an Equinox module's arrays, a dataclass
 or NamedTuple registered as a pytree) or, by sharded init, from a `ShardedInit` that
-returns one; the optimizer state
-sharded like the parameters; and the same as `jax.ShapeDtypeStruct`s (`placed`) for a state
-built from shapes alone. Shapes are global; shardings say what each device holds.
+returns one; and the same as `jax.ShapeDtypeStruct`s (`placed`) for a state built from
+shapes alone (the optimizer state: `zeropp_jax.optimizer_view`). Shapes are global;
+shardings say what each device holds.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 from zeropp_jax import partition as part
 from zeropp_jax.island import is_array
@@ -76,29 +75,6 @@ def check_params(params: Any) -> None:
                 "eqx.partition(model, eqx.is_array)[0] for an Equinox model (and "
                 "eqx.combine them with the rest inside apply_fn)."
             )
-
-
-def init_opt_state(
-    tx: optax.GradientTransformation,
-    master: Any,
-    leaf_layouts: tuple[part.LeafLayout, ...],
-    mesh: Mesh,
-    *,
-    abstract: bool = False,
-) -> Any:
-    """`tx.init(master)` with every leaf shaped like a sharded parameter sharded like one
-    (moments, traces) and everything else (counts, schedules' state) replicated; with
-    `abstract`, only its `jax.ShapeDtypeStruct`s (shardings set), nothing allocated."""
-    specs = {lo.stored_shape: part.leaf_spec(lo) for lo in leaf_layouts if lo.sharded}
-    shapes = jax.eval_shape(tx.init, master)
-
-    def sharding(x):
-        return NamedSharding(mesh, specs.get(tuple(x.shape), part.REPLICATED))
-
-    shardings = jax.tree_util.tree_map(sharding, shapes)
-    if abstract:
-        return placed(shapes, shardings)
-    return jax.jit(tx.init, out_shardings=shardings)(master)
 
 
 def placed(shapes: Any, shardings: Any) -> Any:
