@@ -56,29 +56,11 @@ EXIT_STOPPED = 3
 
 
 def make_optimizer(args: argparse.Namespace):
-    """AdamW with linear warmup and cosine decay, global-norm clipping at 1.0 and weight
-    decay on matrices only (ndim > 1)."""
-    import jax
-    import optax
+    """The `--optimizer` chain (`zeropp_jax.train.optimizers.make_optimizer`; imported
+    here, after the platform is configured, because it imports jax)."""
+    from zeropp_jax.train import optimizers
 
-    warmup = min(100, args.steps // 10) if args.warmup is None else args.warmup
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=args.lr,
-        warmup_steps=min(warmup, args.steps),
-        decay_steps=args.steps,
-        end_value=args.lr * args.min_lr_ratio,
-    )
-    return optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(
-            schedule,
-            b1=0.9,
-            b2=0.95,
-            weight_decay=args.weight_decay,
-            mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params),
-        ),
-    )
+    return optimizers.make_optimizer(args)
 
 
 def train_step(state, batch):

@@ -16,6 +16,8 @@ PROG = "zeropp-train"
 
 ENGINES = ("zeropp", "zero3", "xla-fsdp")
 """The values of `--engine`."""
+OPTIMIZERS = ("adamw", "adafactor", "muon", "lion")
+"""The values of `--optimizer` (`zeropp_jax.train.optimizers`)."""
 MODELS = ("tiny", "125m", "350m", "1.3b", "6.7b")
 """The values of `--model` (the keys of `zeropp_jax.train.model.PRESETS`)."""
 PRESETS = ("zeropp", "beyond")
@@ -185,7 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="final learning rate as a fraction of --lr (0.1)",
     )
     g.add_argument(
-        "--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (0.1)"
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="adamw, adafactor, muon (Newton-Schulz on the kernels, AdamW on the rest) or "
+        "lion; each sees the model's own shapes under every engine (adamw)",
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.1,
+        help="weight decay on the matrices (kernels, token and position embeddings), "
+        "never on biases or LayerNorm parameters (0.1)",
     )
     g.add_argument("--seed", type=int, default=0, help="parameter init and data order (0)")
     g.add_argument(
