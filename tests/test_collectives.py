@@ -367,3 +367,24 @@ def test_small_pieces_get_power_of_two_blocks():
     assert [C.effective_block_size(n, 256) for n in sizes] == [8, 8, 16, 32, 64, 128, 256, 256]
     assert C.effective_block_size(50, 96) == 64  # never above the configured size
     assert C.effective_block_size(100, 96) == 96
+
+
+def test_model_ranks_draw_different_rounding_noise():
+    # The engine's key is the same on every device; each `model` rank reduces its own
+    # slice of a parameter, so folding in the rank gives each slice its own noise (the
+    # data-parallel devices of one rank fold in their own index later, in `hop_keys`).
+    mesh = make_mesh(2, 2, model_size=2)
+
+    def draw(key):
+        noise = jax.random.uniform(C.model_rank_key(key[0], axis_name="model"), (4,))
+        return noise[None]
+
+    f = jax.shard_map(
+        draw, mesh=mesh, in_specs=P(), out_specs=P(("node", "local", "model")), check_vma=False
+    )
+    rows = np.asarray(jax.jit(f)(jax.random.key(0)[None]))  # one row per device
+    model_rank = np.arange(8) % 2
+    assert not np.allclose(rows[model_rank == 0][0], rows[model_rank == 1][0])
+    for r in (0, 1):
+        np.testing.assert_array_equal(rows[model_rank == r], rows[model_rank == r][:1].repeat(4, 0))
+    assert C.model_rank_key(None, axis_name="model") is None

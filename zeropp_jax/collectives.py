@@ -426,6 +426,15 @@ def hop_keys(
     return jax.random.fold_in(dev, 1), jax.random.fold_in(dev, 2)
 
 
+def model_rank_key(key: jax.Array | None, *, axis_name: str) -> jax.Array | None:
+    """`key` folded with this device's rank on the tensor-parallel axis `axis_name` (inside
+    a `shard_map` manual over it), so that the `model` ranks, which reduce different slices
+    of a parameter, draw different stochastic-rounding noise. None stays None."""
+    if key is None:
+        return None
+    return jax.random.fold_in(key, lax.axis_index(axis_name))
+
+
 def two_hop_reduce_scatter(
     x: jax.Array,
     *,

@@ -22,8 +22,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
+from zeropp_jax import collectives, placement, tensor_parallel, weight_gather
 from zeropp_jax import partition as part
-from zeropp_jax import placement, tensor_parallel, weight_gather
 from zeropp_jax import residuals as R
 from zeropp_jax.choices import gather_spec, resolve_codec, rounding_key
 from zeropp_jax.config import ZeroPPConfig
@@ -342,7 +342,11 @@ class LeafGathers:
         if key is not None and layer is not None:
             key = jax.random.fold_in(key, layer)
         if self.layouts[leaf].tensor_parallel:
-            fn = lambda g, key: weight_gather.reduce_gradient(g, self.spec, key)[0]  # noqa: E731
+
+            def fn(g, key):
+                key = collectives.model_rank_key(key, axis_name=part.MODEL_AXIS)
+                return weight_gather.reduce_gradient(g, self.spec, key)[0]
+
             return self._per_rank(leaf, fn, (g,), (key,)), ()
         return weight_gather.reduce_gradient(g, self.spec, key, residuals or ())
 
@@ -350,6 +354,10 @@ class LeafGathers:
         self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, residuals: Any
     ) -> jax.Array:
         if self.layouts[leaf].tensor_parallel:
-            fn = lambda p, w, key: weight_gather.gather_from_wire(p, w, self.spec, key)  # noqa: E731
+
+            def fn(p, w, key):
+                key = collectives.model_rank_key(key, axis_name=part.MODEL_AXIS)
+                return weight_gather.gather_from_wire(p, w, self.spec, key)
+
             return self._per_rank(leaf, fn, (piece, wire), (fixed[0],))
         return weight_gather.gather_from_wire(piece, wire, self.spec, fixed[0], residuals or ())
