@@ -135,3 +135,106 @@ def test_checkpoint_errors(tmp_path):
         zpp.restore_checkpoint(tmp_path / "e", fresh(mesh_of((2, 4)), tx=optax.sgd(0.1)))
     with pytest.raises(ValueError, match="expects a zeropp_jax.TrainState"):
         zpp.save_checkpoint(tmp_path / "f", {"params": jnp.ones(3)})
+
+
+# ----------------------------------------------------------------- the previous layout
+
+
+def _stacked_state(tx, mesh):
+    """A state with a stacked leaf (whose stored layout changed from version 1 to 2) and
+    one step taken, so that the optimizer's moments are not zero."""
+    params = {
+        "stack": jnp.arange(3 * 5 * 7, dtype=jnp.float32).reshape(3, 5, 7) / 100,
+        "w": jnp.ones((5, 7), jnp.float32),
+    }
+    state = zpp.TrainState.create(apply_fn=lambda v, x: x, params=params, tx=tx, mesh=mesh)
+    grads = jax.tree_util.tree_unflatten(
+        state.layouts[0],
+        [
+            jax.device_put(part.to_master(jnp.full(lo.shape, 0.5), lo), x.sharding)
+            for lo, x in zip(state.layouts[1], jax.tree_util.tree_leaves(state.params), strict=True)
+        ],
+    )
+    return jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
+
+
+def _write_layout_1(path, state, opt_leaves):
+    """`state` saved as the previous layout wrote it: stacked leaves padded in values
+    (`C = ceil(35 / 8) * 8 = 40` here, not 8 rows x 7 = 56), no `layout` field; the
+    optimizer state's leaves are `opt_leaves(v2 leaves)`."""
+    import json
+    import os
+
+    from zeropp_jax import checkpoint
+
+    def v1(x):
+        return x[:, :40] if x.shape == (3, 56) else x
+
+    tree = {
+        "step": state.step,
+        "params": jax.tree_util.tree_map(v1, state.params),
+        "opt_state": jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(state.opt_state),
+            opt_leaves([v1(x) for x in jax.tree_util.tree_leaves(state.opt_state)]),
+        ),
+        "skipped_steps": state.skipped_steps,
+    }
+    meta = checkpoint._metadata(state)
+    del meta["layout"]
+    meta["stored_shapes"] = [list(x.shape) for x in jax.tree_util.tree_leaves(tree)]
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(path, checkpoint.STATE_DIR), tree)
+    ckptr.wait_until_finished()
+    ckptr.close()
+    with open(os.path.join(path, checkpoint.META_FILE), "w") as f:
+        json.dump(meta, f)
+
+
+def test_restores_a_checkpoint_of_the_previous_layout(tmp_path):
+    mesh = mesh_of((2, 4))
+    tx = optax.adam(0.1)
+    state = _stacked_state(tx, mesh)
+    assert state.params["stack"].shape == (3, 56)  # 5 rows padded to 8, per layer
+    _write_layout_1(tmp_path / "v1", state, lambda leaves: leaves)
+    target = zpp.TrainState.create(
+        apply_fn=lambda v, x: x, params=zpp.gather_params(state), tx=tx, mesh=mesh
+    )
+    restored = zpp.restore_checkpoint(tmp_path / "v1", target)
+    for a, b in zip(
+        jax.tree_util.tree_leaves((restored.params, restored.opt_state)),
+        jax.tree_util.tree_leaves((state.params, state.opt_state)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_previous_layout_with_shape_reading_optimizer_state_says_how_to_convert(tmp_path):
+    mesh = mesh_of((2, 4))
+    tx = optax.adafactor(0.1, min_dim_size_to_factor=2)
+    state = _stacked_state(tx, mesh)
+    # What the previous layout kept: the factored statistics of the stored (3, 40) leaf.
+    layouts = state.layouts[1]
+    old = jax.tree_util.tree_unflatten(
+        state.layouts[0],
+        [
+            jax.ShapeDtypeStruct((3, 40) if lo.stacked else lo.stored_shape, jnp.float32)
+            for lo in layouts
+        ],
+    )
+    old_leaves = [
+        jnp.zeros(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(jax.eval_shape(tx.init, old))
+    ]
+    _write_layout_1(tmp_path / "v1", state, lambda leaves: old_leaves)
+    target = zpp.TrainState.create(
+        apply_fn=lambda v, x: x, params=zpp.gather_params(state), tx=tx, mesh=mesh
+    )
+    with pytest.raises(ValueError, match=r"stored layout 1.*reset_optimizer=True"):
+        zpp.restore_checkpoint(tmp_path / "v1", target)
+    restored = zpp.restore_checkpoint(tmp_path / "v1", target, reset_optimizer=True)
+    assert int(restored.step) == 1
+    for a, b in zip(
+        jax.tree_util.tree_leaves((restored.params, restored.opt_state)),
+        jax.tree_util.tree_leaves((state.params, target.opt_state)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

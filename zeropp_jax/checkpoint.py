@@ -98,6 +98,7 @@ def _metadata(state: TrainState) -> dict[str, Any]:
     cfg = state.config
     return {
         "format": FORMAT,
+        "layout": part.LAYOUT_VERSION,
         "step": int(jax.device_get(state.step)),
         "mesh": {k: int(v) for k, v in state.mesh.shape.items()},
         "config": {
@@ -246,16 +247,55 @@ def _check_compatible(meta: dict[str, Any], target: TrainState) -> None:
         )
 
 
+def _layout_version(meta: dict[str, Any]) -> int:
+    """The stored layout a checkpoint was written in (`partition.with_devices`): 1 for
+    checkpoints without the field (written before the optimizer saw model shapes)."""
+    version = int(meta.get("layout", 1))
+    if version not in (1, part.LAYOUT_VERSION):
+        raise ValueError(
+            f"the checkpoint's stored layout is version {version}; this zeropp_jax reads "
+            f"versions 1 and {part.LAYOUT_VERSION}: restore it with the zeropp_jax that wrote it."
+        )
+    return version
+
+
 def _saved_layouts(meta: dict[str, Any], target: TrainState) -> list[part.LeafLayout]:
-    """Per parameter leaf, the layout it was saved with (its `model` split and the saved
-    mesh's data-parallel size; a checkpoint without `model_split` split nothing)."""
+    """Per parameter leaf, the layout it was saved with (its `model` split, the saved
+    mesh's data-parallel size and the layout version; a checkpoint without `model_split`
+    split nothing)."""
     dp = int(meta["mesh"].get("node", 1)) * int(meta["mesh"].get("local", 1))
     split = meta.get("model_split") or [[None, 1]] * len(target.layouts[1])
+    version = _layout_version(meta)
     out = []
     for lo, (dim, k) in zip(target.layouts[1], split, strict=True):
         base = part.LeafLayout(lo.shape, lo.dtype, lo.sharded, 0)
-        out.append(part.with_model_split(base, dim, int(k), dp))
+        out.append(part.with_model_split(base, dim, int(k), dp, version=version))
     return out
+
+
+def _check_optimizer_layout(
+    meta: dict[str, Any], want: Any, target: TrainState, shapes: list[tuple[int, ...]]
+) -> None:
+    """Raises for a checkpoint of layout 1 whose optimizer state holds a leaf that is
+    neither shaped as the target's nor a moment of a parameter (so crop and pad cannot
+    carry it over): a transform that read the padded layout's shapes."""
+    if _layout_version(meta) == part.LAYOUT_VERSION:
+        return
+    flat = jax.tree_util.tree_flatten_with_path(want)[0]
+    opt = [
+        (jax.tree_util.keystr(p), tuple(x.shape), s)
+        for (p, x), s in zip(flat, shapes, strict=True)
+        if jax.tree_util.keystr(p).startswith("['opt_state']")
+    ]
+    for (key, have, saved), mirror in zip(opt, target.opt_mirror or (), strict=True):
+        if saved != have and mirror is None:
+            raise ValueError(
+                f"the checkpoint was written with stored layout 1, before the optimizer saw "
+                f"the model's shapes, and its optimizer state leaf {key} (shape {saved}) "
+                f"has no counterpart here (shape {have}); restore it with "
+                "restore_checkpoint(path, target, reset_optimizer=True) to keep step and "
+                "parameters and start the optimizer afresh, then save it again."
+            )
 
 
 def _leaf_layouts_by_path(
@@ -301,14 +341,24 @@ def _resize(x: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.pad(x, pad)
 
 
-def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainState:
+def restore_checkpoint(
+    path: str | os.PathLike, target: TrainState, *, reset_optimizer: bool = False
+) -> TrainState:
     """Restores the checkpoint at `path` onto `target`'s mesh and config.
+
+    Checkpoints of the previous stored layout (version 1, stacked and tensor-parallel
+    leaves padded in values rather than rows) restore by crop and pad too, optimizer
+    moments included; an optimizer state leaf that read the old padded shapes (e.g.
+    Adafactor's factored statistics) cannot, and the error says to pass
+    `reset_optimizer=True`.
 
     Args:
       path: a folder written by `save_checkpoint`.
       target: a `TrainState.create(...)` on the mesh and config to restore onto, or a
         `TrainState.abstract(...)` (shapes only: nothing is built before the restore);
         its parameter tree and optimizer must match the saved ones.
+      reset_optimizer: keep `target`'s own (fresh) optimizer state instead of the saved
+        one; needs a target built by `TrainState.create`.
 
     Returns:
       `target` with step, parameters, optimizer state and skipped-step counter from the
@@ -330,14 +380,29 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     want = _saved_tree(target, residuals=False)
     want_leaves, want_def = jax.tree_util.tree_flatten(want)
     shapes = [tuple(s) for s in meta["stored_shapes"]]
+    is_opt = [
+        jax.tree_util.keystr(p).startswith("['opt_state']")
+        for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]
+    ]
+    if reset_optimizer:
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(want)):
+            raise ValueError(
+                "restore_checkpoint(..., reset_optimizer=True) keeps the target's optimizer "
+                "state, but the target holds only shapes (TrainState.abstract); build it "
+                "with TrainState.create."
+            )
+    else:
+        _check_optimizer_layout(meta, want, target, shapes)
     mesh = target.mesh
     replicated = NamedSharding(mesh, part.REPLICATED)
     saved_res = meta.get("error_feedback")
     n_dp = data_parallel_size(mesh)
     relayouts = _leaf_layouts_by_path(want, target, _saved_layouts(meta, target))
 
-    def abstract(shape, tgt, relayout):
+    def abstract(shape, tgt, relayout, opt):
         sharding = tgt.sharding
+        if opt and reset_optimizer:  # read as saved, then dropped
+            return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=replicated)
         if relayout is not None:
             # Split over `model` differently (another model_size, or none): loaded split
             # over the data-parallel axes as saved where they divide it, else whole, then
@@ -369,7 +434,7 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
 
     abstract_tree = jax.tree_util.tree_unflatten(
         want_def,
-        [abstract(*a) for a in zip(shapes, want_leaves, relayouts, strict=True)],
+        [abstract(*a) for a in zip(shapes, want_leaves, relayouts, is_opt, strict=True)],
     )
     if saved_res is not None:
         abstract_tree["error_feedback"] = _abstract_residuals(saved_res, mesh)
@@ -381,7 +446,9 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     loaded = ckptr.restore(state_path, abstract_tree)
     ckptr.close()
 
-    def fit(x, tgt, relayout):
+    def fit(x, tgt, relayout, opt):
+        if opt and reset_optimizer:
+            return tgt
         if relayout is not None:
             return jax.jit(_relayout, static_argnums=(1, 2), out_shardings=tgt.sharding)(
                 x, *relayout
@@ -398,7 +465,7 @@ def restore_checkpoint(path: str | os.PathLike, target: TrainState) -> TrainStat
     loaded_leaves = jax.tree_util.tree_leaves(loaded)
     loaded = jax.tree_util.tree_unflatten(
         want_def,
-        [fit(*a) for a in zip(loaded_leaves, want_leaves, relayouts, strict=True)],
+        [fit(*a) for a in zip(loaded_leaves, want_leaves, relayouts, is_opt, strict=True)],
     )
     restored = target.replace(
         step=loaded["step"],
@@ -488,6 +555,7 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
         return jax.tree_util.tree_map(lambda a, b: jax.device_put(a, b.sharding), loaded, fresh)
     old_nn, old_ll = meta["mesh"]["node"], meta["mesh"]["local"]
     old_n = old_nn * old_ll
-    old_layouts = tuple(part.with_devices(lo, old_n) for lo in target.layouts[1])
+    version = _layout_version(meta)
+    old_layouts = tuple(part.with_devices(lo, old_n, version=version) for lo in target.layouts[1])
     mass = R.missing_mass(loaded, old_layouts, old_nn, old_ll)
     return R.respread(mass, target.layouts[1], target.config, target.mesh)
