@@ -213,8 +213,9 @@ def update(
     mirror: tuple,
     mesh: Mesh,
 ) -> tuple[Any, Any]:
-    """`tx.update` and `optax.apply_updates` on model-shaped views (global view, inside
-    the step's jit), under the named scope `UPDATE_SCOPE`.
+    """`tx.update` on model-shaped views (global view, inside the step's jit), then
+    `optax.apply_updates`, elementwise, in the stored layout, under the named scope
+    `UPDATE_SCOPE`.
 
     Args:
       tx: the optimizer.
@@ -239,9 +240,11 @@ def update(
         p, g = views(params), views(grads)
         state = state_to_view(opt_state, mirror, layouts, mesh)
         updates, state = tx.update(g, state, p)
-        new = jax.tree_util.tree_leaves(optax.apply_updates(p, updates))
-        stored = [from_view(x, lo, mesh) for x, lo in zip(new, layouts, strict=True)]
-        return (
-            jax.tree_util.tree_unflatten(treedef, stored),
-            state_from_view(state, mirror, layouts, mesh),
-        )
+        # `optax.apply_updates` is elementwise: it adds the updates in the stored layout
+        # (padding: zero plus zero), where the parameters live, so that the addition is
+        # compiled alike whatever reads the new parameters next (the weight-delta
+        # references' quantizer, XLA's or a Pallas kernel).
+        updates = jax.tree_util.tree_leaves(updates)
+        stored = [from_view(u, lo, mesh) for u, lo in zip(updates, layouts, strict=True)]
+        new = optax.apply_updates(params, jax.tree_util.tree_unflatten(treedef, stored))
+        return new, state_from_view(state, mirror, layouts, mesh)
