@@ -116,11 +116,12 @@ def batch(seed):
 DELTA = zpp.ZeroPPConfig(weight_delta_bits=4, weight_block_size=32, compute_dtype=jnp.float32)
 
 
-def make_state(config, mesh_shape=(2, 4), lr=0.05):
+def make_state(config, mesh_shape=(2, 4), lr=0.05, tx=None):
     mesh = make_mesh(*mesh_shape)
     params = Net().init(jax.random.key(0), batch(0)["x"])["params"]
+    tx = optax.adam(lr) if tx is None else tx
     state = zpp.TrainState.create(
-        apply_fn=Net().apply, params=params, tx=optax.adam(lr), mesh=mesh, config=config
+        apply_fn=Net().apply, params=params, tx=tx, mesh=mesh, config=config
     )
     return state, zpp.shard(train_step, mesh=mesh, config=config)
 
@@ -275,9 +276,13 @@ def test_ledger_sends_the_int4_delta_across_nodes():
 
 
 def test_pallas_interpret_equals_xla_with_weight_delta():
+    # SGD, as test_feedback's twin: the kernels' bits (gradients, references) are what is
+    # compared. Adam's update, the same HLO in both programs, is compiled by XLA:CPU to
+    # results 1 ulp apart from its second step on (seen on leaves whose rows do not divide
+    # the devices), depending on what surrounds it.
     results = []
     for kernels in ("xla", "pallas_interpret"):
-        state, step = make_state(DELTA.replace(kernels=kernels))
+        state, step = make_state(DELTA.replace(kernels=kernels), tx=optax.sgd(0.05))
         for t in range(2):
             state, _ = step(state, batch(t))
         results.append(state)

@@ -166,37 +166,6 @@ def test_shape_reading_optimizers_match_one_device(model_name):
         assert any(i is not None for i in mirror), opt
 
 
-def test_end_to_end_with_adafactor_matches_one_device():
-    """`zpp.shard` training (island and update) against one device, 3 steps."""
-    model, _ = MODELS["unrolled_and_scanned"]
-    data = batches()
-    params = model.init(jax.random.key(1), data[0]["x"])["params"]
-    tx = OPTIMIZERS["adafactor"]()
-
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn, batch)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-    ref = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    state = zpp.TrainState.create(
-        apply_fn=model.apply,
-        params=params,
-        tx=tx,
-        mesh=zpp.make_mesh(2, 4),
-        config=zpp.ZeroPPConfig(**EXACT),
-    )
-    ref_step, step = jax.jit(train_step), zpp.shard(train_step)
-    for b in data:
-        ref, want = ref_step(ref, b)
-        state, got = step(state, b)
-        np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)
-    got = zpp.gather_params(state)
-    for g, w in zip(
-        jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref.params), strict=True
-    ):
-        assert float(jnp.max(jnp.abs(g - w))) <= 1e-5 * float(jnp.max(jnp.abs(w)))
-
-
 def test_elementwise_updates_add_no_collective_and_muon_shows_as_update():
     model, _ = MODELS["unrolled_and_scanned"]
     params = model.init(jax.random.key(1), jnp.ones((8, 10)))["params"]

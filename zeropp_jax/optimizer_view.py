@@ -17,6 +17,7 @@ named scope `UPDATE_SCOPE`, and the ledger lists them as the `update` phase.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -213,9 +214,10 @@ def update(
     mirror: tuple,
     mesh: Mesh,
 ) -> tuple[Any, Any]:
-    """`tx.update` on model-shaped views (global view, inside the step's jit), then
-    `optax.apply_updates`, elementwise, in the stored layout, under the named scope
-    `UPDATE_SCOPE`.
+    """`tx.update` on model-shaped views (global view), then `optax.apply_updates`,
+    elementwise, in the stored layout, under the named scope `UPDATE_SCOPE`. Jitted (inlined
+    into the step's jit; called eagerly, it compiles on its own: a view of a leaf whose rows
+    do not divide over the devices exists only inside a jit).
 
     Args:
       tx: the optimizer.
@@ -229,6 +231,19 @@ def update(
     Returns:
       The new stored parameters (padding exactly zero) and the new kept optimizer state.
     """
+    return _update(tx, layouts, mirror, mesh, grads, opt_state, params)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _update(
+    tx: optax.GradientTransformation,
+    layouts: tuple[part.LeafLayout, ...],
+    mirror: tuple,
+    mesh: Mesh,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+) -> tuple[Any, Any]:
     with jax.named_scope(UPDATE_SCOPE):
         treedef = jax.tree_util.tree_structure(params)
 
