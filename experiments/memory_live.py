@@ -61,7 +61,8 @@ def live_peak_bytes(live_range: str, buffer_assignment: str) -> int:
     section = live_range.split("(peak):", 1)[1].split("\n\n", 1)[0]
     spans: dict[int, list[tuple[int, int]]] = {}
     for name, size in re.findall(r"^\s+(\S+): (\d+) bytes", section, re.M):
-        key = name[:-2] if name.endswith("{}") else name
+        # a tuple-shaped value keeps its "{}" in the assignment; an array's is dropped there
+        key = name if name in where or not name.endswith("{}") else name[:-2]
         if key not in where:
             raise ValueError(f"value {name} of the live-range report is not in the assignment")
         a, offset, _ = where[key]
