@@ -31,8 +31,9 @@ parameters (`2 * (split / K + replicated)`):
     `local` then over `node`. Per node link: `K S (1/2 + 1/4) (n-1)/n` plus scales.
   * TP (both): per layer, two all-reduces of the block's activations forward (after the
     attention's and the MLP's row-parallel matrices), two backward (the input gradients
-    of the column-parallel ones) and one more where the engine's backward loop recomputes
-    the layer (the attention's, whose result the MLP reads); `2 (K-1)/K` of each per
+    of the column-parallel ones), and one more where the backward recomputes the layer
+    (under `--remat full`; the engine's layered scan keeps what the model's remat keeps,
+    so with the default `none` nothing is recomputed); `2 (K-1)/K` of each per
     device, inside the node. The token embedding is split by vocabulary, so the tied
     head's logits are too: the backward pass all-gathers their gradient over `model`
     (`(K-1)/K` of the rank's logits per device), and all-reduces the lookup's output
@@ -112,7 +113,7 @@ def step_bytes(
     grad_bits: int = 4,
     block_size: int = 256,
     activation_bytes: int = 2,
-    all_reduces_per_layer: int = 5,
+    all_reduces_per_layer: int = 4,
 ) -> StepBytes:
     """The modelled bytes of one step (module docstring), NCCL-style rings.
 
@@ -135,8 +136,9 @@ def step_bytes(
       grad_bits: qgZ bits (ZeRO++).
       block_size: values per quantization block (one float32 scale each).
       activation_bytes: bytes per activation value on the wire.
-      all_reduces_per_layer: tensor-parallel all-reduces per block and step (5: two
-        forward, two backward, one recomputed).
+      all_reduces_per_layer: tensor-parallel all-reduces per block and step (4: two
+        forward, two backward; 5 where the backward recomputes the block, as under
+        `--remat full`).
     """
     local = per_node // k
     d = nodes * local

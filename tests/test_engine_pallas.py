@@ -43,8 +43,11 @@ def batches(n=3, size=16):
 def train(config, data):
     mesh = zpp.make_mesh(2, 4)
     params = Tiny().init(jax.random.key(0), data[0]["x"])["params"]
+    # SGD: the kernels' bits (losses, gradients) are what is compared. Adam's update, the
+    # same HLO in both programs, compiles on XLA:CPU to results 1 ulp apart from its second
+    # step on, depending on what surrounds it (test_delta's twin says the same).
     state = zpp.TrainState.create(
-        apply_fn=Tiny().apply, params=params, tx=optax.adam(1e-2), mesh=mesh, config=config
+        apply_fn=Tiny().apply, params=params, tx=optax.sgd(0.05), mesh=mesh, config=config
     )
     step = zpp.shard(train_step, mesh=mesh, config=config)
     losses = []

@@ -11,7 +11,7 @@ import tp_study  # noqa: E402
 
 from zeropp_jax.train.model import GPTConfig  # noqa: E402
 
-GPT = GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=4, scan=True)
+GPT = GPTConfig(seq_len=32, d_model=128, n_layers=2, n_heads=4, scan=True)
 BATCH = 8
 
 
@@ -19,7 +19,8 @@ BATCH = 8
 def test_the_byte_model_is_what_the_ledger_counts(engine, k):
     """Per node link and per device, the model is the ledger up to what it leaves out:
     padding to the device count and block size, and the step's few scalar all-reduces
-    (the loss, the finite check), under 2% here."""
+    (the loss, the finite check), under 2% at this width. (At d_model 64 the padding of
+    the short stacked rows, each padded whole to the devices, is 2.5% of ZeRO++'s link.)"""
     got = tp_study.measure(engine, k, GPT, BATCH)
     split, replicated = tp_study.split_params(GPT)
     model = tp_study.step_bytes(
