@@ -204,17 +204,14 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
         raise UsageError(f"--resume: the run in {out} is at step {start}, --steps is {args.steps}")
 
     sharding = data.batch_sharding(mesh)
-    eval_set = [
-        data.make_global_batch(rows, sharding, args.batch)
-        for rows in data.eval_batches(
-            corpus.val,
-            seed=args.seed,
-            num_batches=args.eval_batches,
-            batch_size=args.batch,
-            seq_len=args.seq_len,
-            rows=data.process_rows(sharding, args.batch),
-        )
-    ]
+    eval_set = data.eval_set(
+        corpus.val,
+        mesh,
+        seed=args.seed,
+        num_batches=args.eval_batches,
+        batch_size=args.batch,
+        seq_len=args.seq_len,
+    )
     # Compile ahead of time here, so that a config the engine rejects at trace time is
     # reported like any other bad flag.
     lowered_step = step_fn.lower(state, eval_set[0])

@@ -324,3 +324,22 @@ class Prefetcher:
 def bits(nats: float) -> float:
     """Nats to bits."""
     return nats / math.log(2)
+
+
+def eval_set(
+    tokens: Any, mesh: Mesh, *, seed: int, num_batches: int, batch_size: int, seq_len: int
+) -> list[jax.Array]:
+    """The validation batches as global arrays sharded over the batch (each process reads
+    only its own rows of `tokens`), in the order `eval_batches` gives."""
+    sharding = batch_sharding(mesh)
+    return [
+        make_global_batch(rows, sharding, batch_size)
+        for rows in eval_batches(
+            tokens,
+            seed=seed,
+            num_batches=num_batches,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            rows=process_rows(sharding, batch_size),
+        )
+    ]

@@ -172,18 +172,14 @@ def validation_loss(state, run: argparse.Namespace, corpus, mesh) -> float:
     from zeropp_jax.train import data
     from zeropp_jax.train.cli import eval_loss
 
-    sharding = data.batch_sharding(mesh)
-    batches = [
-        data.make_global_batch(rows, sharding, run.batch)
-        for rows in data.eval_batches(
-            corpus.val,
-            seed=run.seed,
-            num_batches=run.eval_batches,
-            batch_size=run.batch,
-            seq_len=run.seq_len,
-            rows=data.process_rows(sharding, run.batch),
-        )
-    ]
+    batches = data.eval_set(
+        corpus.val,
+        mesh,
+        seed=run.seed,
+        num_batches=run.eval_batches,
+        batch_size=run.batch,
+        seq_len=run.seq_len,
+    )
     compiled = jax.jit(eval_loss).lower(state, batches[0]).compile()
     return float(np.mean([float(compiled(state, b)) for b in batches]))
 
