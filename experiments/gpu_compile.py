@@ -602,6 +602,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--meshes", default=",".join(MESHES))
     p.add_argument("--flags", default=",".join(FLAG_SETS))
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="only these rows, 'engine/model/mesh/flags' separated by commas (e.g. "
+        "'ZeRO++/gpt/2x8/docs,XLA FSDP/gpt/2x8/docs'), instead of the product of "
+        "--engines, --models, --meshes and --flags",
+    )
     p.add_argument("--no-kernels", action="store_true", help="skip the Pallas kernels")
     p.add_argument("--kernels-only", action="store_true", help="only the Pallas kernels")
     p.add_argument("--flags-study", action="store_true", help="only the per-flag study")
@@ -650,7 +657,7 @@ def main(argv: list[str] | None = None) -> None:
         _common.write_text(args.out / f"{args.name}.md", report(head, rows, kernels))
 
     if args.kernels_only:
-        _common.write_csv(kernels_path, kernel_rows(args.gpu))
+        write_kernels(kernels_path, kernel_rows(args.gpu))
         write([])
         _common.say_written([args.out / f"{args.name}.md", kernels_path])
         return
@@ -671,30 +678,64 @@ def main(argv: list[str] | None = None) -> None:
         write(rows)
         _common.say_written([args.out / f"{args.name}.md", csv_path])
         return
+    code = _common.source_version()
     rows = []
-    for mesh_text in args.meshes.split(","):
+    for mesh_text, model, engine, flag_sets in selected(args):
         nodes, local = (int(v) for v in mesh_text.split("x"))
         mesh = gpu_mesh(args.gpu, nodes, local)
-        for model in args.models.split(","):
-            for engine in args.engines.split(","):
-                step = build_step(engine, model, mesh)
-                for flags in args.flags.split(","):
-                    row = {"engine": engine, "model": model, "mesh": mesh_text, "flags": flags}
-                    name = "_".join((SLUGS[engine], model, mesh_text, flags))
-                    row.update(measure(step, mesh, flags, args.save_hlo, name))
-                    rows.append(row)
-                    print(row, flush=True)
-                    write(rows)  # after every row: a long run keeps what it has
-                    gc.collect()
-                del step
-                jax.clear_caches()
+        step = build_step(engine, model, mesh)
+        for flags in flag_sets:
+            row = {"engine": engine, "model": model, "mesh": mesh_text, "flags": flags}
+            row["gpu"] = args.gpu
+            name = "_".join((SLUGS[engine], model, mesh_text, flags, args.gpu))
+            row.update(measure(step, mesh, flags, args.save_hlo, name))
+            row["code"] = code
+            rows.append(row)
+            print(row, flush=True)
+            write(rows)  # after every row: a long run keeps what it has
+            gc.collect()
+        del step, mesh
+        jax.clear_caches()
     if not args.no_kernels:
-        _common.write_csv(kernels_path, kernel_rows(args.gpu))
+        write_kernels(kernels_path, kernel_rows(args.gpu))
         write(rows)
     _common.say_written([args.out / f"{args.name}.md", csv_path])
 
 
-KEY = ("engine", "model", "mesh", "flags")
+KEY = ("engine", "model", "mesh", "flags", "gpu")
+
+
+def selected(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
+    """(mesh, model, engine, flag sets) to compile: `--rows`, or the product of
+    `--meshes`, `--models`, `--engines` and `--flags`."""
+    if args.rows is None:
+        return [
+            (mesh, model, engine, args.flags.split(","))
+            for mesh in args.meshes.split(",")
+            for model in args.models.split(",")
+            for engine in args.engines.split(",")
+        ]
+    out: list[tuple[str, str, str, list[str]]] = []
+    for spec in args.rows.split(","):
+        parts = spec.split("/")
+        if len(parts) != 4 or parts[0] not in ENGINES or parts[3] not in FLAG_SETS:
+            raise SystemExit(
+                f"gpu_compile: --rows entry {spec!r} is not engine/model/mesh/flags with "
+                f"engine in {ENGINES} and flags in {FLAG_SETS}."
+            )
+        engine, model, mesh, flags = parts
+        if out and out[-1][:3] == (mesh, model, engine):
+            out[-1][3].append(flags)
+        else:
+            out.append((mesh, model, engine, [flags]))
+    return out
+
+
+def write_kernels(path: pathlib.Path, new: list[dict[str, Any]]) -> None:
+    """The kernel rows of `path` for the other GPUs, then `new` (one GPU's)."""
+    gpus = {r["gpu"] for r in new}
+    old = [r for r in read_rows(path) if r["gpu"] not in gpus] if path.exists() else []
+    _common.write_csv(path, old + new)
 
 
 def read_rows(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -707,15 +748,26 @@ def read_rows(path: pathlib.Path) -> list[dict[str, Any]]:
 def merged(old: list[dict], new: list[dict]) -> list[dict]:
     """`old` with the rows of `new` replacing those of the same key, new keys appended,
     in the order engines x models x meshes x flags."""
-    by = {tuple(str(r[k]) for k in KEY): r for r in old}
-    by.update({tuple(str(r[k]) for k in KEY): r for r in new})
+
+    def key(r: dict) -> tuple[str, ...]:
+        return tuple(str(r.get(k) or "h200") if k == "gpu" else str(r[k]) for k in KEY)
+
+    by = {key(r): r for r in old}
+    by.update({key(r): r for r in new})
 
     def order(key):
-        engine, model, mesh, flags = key
+        engine, model, mesh, flags, gpu = key
         rank = {v: i for group in (ENGINES, MODELS, MESHES, FLAG_SETS) for i, v in enumerate(group)}
-        return (rank.get(mesh, 9), rank.get(model, 9), rank.get(engine, 9), rank.get(flags, 9))
+        return (
+            gpu != "h200",
+            gpu,
+            rank.get(mesh, 9),
+            rank.get(model, 9),
+            rank.get(engine, 9),
+            rank.get(flags, 9),
+        )
 
-    rows = [by[k] for k in sorted(by, key=order)]
+    rows = [{**by[k], "gpu": k[-1]} for k in sorted(by, key=order)]
     columns = list(dict.fromkeys(k for r in rows for k in r))
     return [{k: r.get(k, "") for k in columns} for r in rows]
 
