@@ -226,11 +226,30 @@ def build_step(engine: str, model: str, mesh: Any) -> Step:
 
 
 def compiler_options(flags: str, layer_bytes: int) -> dict[str, Any]:
-    """The XLA options of a flag set: none, or `DOC_FLAGS` with one layer's bytes as the
-    combine thresholds."""
-    if flags == "none":
-        return {}
-    return {k: (layer_bytes if v is None else v) for k, v in DOC_FLAGS.items()}
+    """The XLA options of a flag set: `none`, or `docs` (`DOC_FLAGS`, one layer's bytes as
+    the combine thresholds), each optionally followed by `+name=value` options of XLA's
+    (`docs+xla_gpu_experimental_parallel_collective_overlap_limit=2`)."""
+    base, *extra = flags.split("+")
+    if base not in FLAG_SETS:
+        raise SystemExit(
+            f"gpu_compile: flag set {flags!r} starts with {base!r}; expected "
+            f"one of {FLAG_SETS}, then optional '+name=value' options."
+        )
+    out = (
+        {}
+        if base == "none"
+        else {k: (layer_bytes if v is None else v) for k, v in DOC_FLAGS.items()}
+    )
+    for option in extra:
+        name, sep, value = option.partition("=")
+        if not sep or not name.startswith("xla_"):
+            raise SystemExit(
+                f"gpu_compile: option {option!r} in {flags!r} is not 'xla_<name>=<value>'."
+            )
+        out[name] = {"true": True, "false": False}.get(value.lower(), value)
+        if isinstance(out[name], str) and out[name].lstrip("-").isdigit():
+            out[name] = int(out[name])
+    return out
 
 
 def measure(
@@ -580,10 +599,10 @@ def selected(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
     out: list[tuple[str, str, str, list[str]]] = []
     for spec in args.rows.split(","):
         parts = spec.split("/")
-        if len(parts) != 4 or parts[0] not in ENGINES or parts[3] not in FLAG_SETS:
+        if len(parts) != 4 or parts[0] not in ENGINES or parts[3].split("+")[0] not in FLAG_SETS:
             raise SystemExit(
                 f"gpu_compile: --rows entry {spec!r} is not engine/model/mesh/flags with "
-                f"engine in {ENGINES} and flags in {FLAG_SETS}."
+                f"engine in {ENGINES} and flags in {FLAG_SETS} (+name=value options after)."
             )
         engine, model, mesh, flags = parts
         if out and out[-1][:3] == (mesh, model, engine):

@@ -212,7 +212,8 @@ def merged(old: list[dict], new: list[dict]) -> list[dict]:
             rank.get(mesh, 9),
             rank.get(model, 9),
             rank.get(engine, 9),
-            rank.get(flags, 9),
+            rank.get(flags.split("+")[0], 9),
+            flags,
         )
 
     rows = [{**by[k], "gpu": k[-1]} for k in sorted(by, key=order)]

@@ -220,6 +220,12 @@ def test_rows_are_picked_one_by_one_and_merged_per_gpu():
     assert gpu_compile.selected(args) == [("2x8", "gpt", "ZeRO++", ["docs", "none"])]
     with pytest.raises(SystemExit, match="not engine/model/mesh/flags"):
         gpu_compile.selected(argparse.Namespace(rows="ZeRO++/gpt/2x8"))
+    options = gpu_compile.compiler_options("docs+xla_gpu_x=2+xla_gpu_y=false", 1000)
+    assert options["xla_gpu_x"] == 2 and options["xla_gpu_y"] is False
+    assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 1000
+    assert gpu_compile.compiler_options("none", 1000) == {}
+    with pytest.raises(SystemExit, match="is not 'xla_<name>=<value>'"):
+        gpu_compile.compiler_options("docs+overlap", 1000)
     row = {"engine": "ZeRO++", "model": "gpt", "mesh": "2x4", "flags": "docs"}
     old = [{**row, "gathers": "18"}]  # no gpu column
     new = [{**row, "gpu": "h100", "gathers": "17"}, {**row, "gpu": "h200", "gathers": "19"}]
