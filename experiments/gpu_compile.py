@@ -548,12 +548,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.rows_from is not None:  # rows printed by earlier runs: no compiling
         import ast
 
-        rows = [
-            ast.literal_eval(line)
-            for log in args.rows_from
-            for line in log.read_text().splitlines()
-            if line.startswith("{'engine'")
-        ]
+        lines = [line for log in args.rows_from for line in log.read_text().splitlines()]
+        rows = [ast.literal_eval(line) for line in lines if line.startswith("{'engine'")]
+        kernels = [ast.literal_eval(line) for line in lines if line.startswith("{'kernel'")]
+        for gpu in dict.fromkeys(k["gpu"] for k in kernels):
+            write_kernels(kernels_path, [k for k in kernels if k["gpu"] == gpu])
         for row in rows:  # rows of runs before the CPU form was a column
             if "estimate_cpu_gb" not in row:
                 nodes, local = (int(v) for v in row["mesh"].split("x"))
