@@ -6,6 +6,7 @@ analytic estimate of `zeropp_jax.train.plan`.
     python experiments/memory.py --quick            # tiny, 2 x 4 (seconds; for tests)
     python experiments/memory.py --meshes 2x4 --reestimate   # new estimate, same totals
     python experiments/memory.py --meshes 16x8 --sizes 125m,350m --merge   # in pieces
+    python experiments/memory.py --meshes 2x4 --engines "XLA FSDP" --merge  # some rows
 
 For each preset (`zeropp-train --model`: scanned layers, `--remat full`, bfloat16 compute,
 the trainer's AdamW chain, one sequence of 2048 tokens per device) and each mesh, compiles
@@ -25,9 +26,10 @@ Each mesh runs in its own process with that many emulated CPU devices. No XLA fl
 other than the device count is set. Compile only.
 
 Writes `memory.{md,csv,png}` into `--out` (default `experiments/results`); with other
-`--meshes`, `memory_<meshes>.{md,csv,png}`. With `--merge` the rows of the sizes and meshes
-measured replace those already in that file and the others are kept (a long table measured
-in pieces, e.g. one submission per size); the header lists each piece's run.
+`--meshes`, `memory_<meshes>.{md,csv,png}`. With `--merge` the rows of the meshes, sizes
+and engines measured replace those already in that file and the others are kept (a long
+table measured in pieces, e.g. one submission per size); the header lists each piece's
+run, so a row's commit is that of the piece that measured it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
 import sys
 import time
 
@@ -155,9 +158,9 @@ def measure(
 
 
 def worker(argv: list[str]) -> None:
-    """`--worker MESH SEQ [--estimate-only] SIZE...`: prints one JSON row per size and
-    engine."""
-    mesh, seq, *sizes = argv
+    """`--worker MESH SEQ ENGINES [--estimate-only] SIZE...`: prints one JSON row per size
+    and engine (`ENGINES`: comma-separated)."""
+    mesh, seq, engines, *sizes = argv
     compile = "--estimate-only" not in sizes
     sizes = [s for s in sizes if s != "--estimate-only"]
     shape = _mesh_shape(mesh)
@@ -166,7 +169,7 @@ def worker(argv: list[str]) -> None:
 
     warnings.simplefilter("ignore")  # the engine's per-leaf notes; the rows say what ran
     for size in sizes:
-        for engine in ENGINES:
+        for engine in engines.split(","):
             row = measure(size, engine, shape, int(seq), compile=compile)
             print(json.dumps(row), flush=True)
 
@@ -228,25 +231,38 @@ RUN = "- measured "
 
 def _merged(rows: list[dict], path: pathlib.Path, run: str) -> tuple[list[dict], list[str]]:
     """`rows` merged into the table at `path` (`name.md` beside it): the rows already there
-    whose mesh and model `rows` do not measure, then `rows`, in mesh, size and engine order;
-    and the header's run lines (`RUN ...`), `run` for this piece and those of the older
-    pieces that still have rows. A file written without `--merge` is one piece."""
+    whose mesh, model and engine `rows` do not measure, then `rows`, in mesh, size and
+    engine order; and the header's run lines (`RUN meshes | sizes | engines: ...`), `run`
+    for this piece and those of the older pieces that still have rows. A file written
+    without `--merge` is one piece."""
     if not path.exists():
         return rows, [run]
     old = _read_rows(path)
-    new = {(r["mesh"], r["model"]) for r in rows}
-    kept = [r for r in old if (r["mesh"], r["model"]) not in new]
+
+    def key(r: dict) -> tuple[str, str, str]:
+        return r["mesh"], r["model"], r["engine"]
+
+    new = {key(r) for r in rows}
+    kept = [r for r in old if key(r) not in new]
     head = path.with_suffix(".md").read_text().split("\n\n")[1]
     lines = [line for line in head.splitlines() if line.startswith(RUN)]
-    if not lines:  # one run wrote it all: name its sizes
-        sizes = ",".join(dict.fromkeys(r["model"] for r in old))
-        meshes = ",".join(dict.fromkeys(r["mesh"] for r in old))
-        lines = [f"{RUN}{meshes} {sizes}: {head}"]
-    left = {(r["mesh"], r["model"]) for r in kept}
+    if not lines:  # one run wrote it all: name what it measured
+
+        def names(field: str) -> str:
+            return ",".join(dict.fromkeys(str(r[field]) for r in old))
+
+        lines = [f"{RUN}{names('mesh')} | {names('model')} | {names('engine')}: {head}"]
+    left = {key(r) for r in kept}
     runs = []
     for line in lines:
-        meshes, sizes = line.removeprefix(RUN).split(":")[0].split(" ")
-        if any((m, s) in left for m in meshes.split(",") for s in sizes.split(",")):
+        meshes, sizes, engines = line.removeprefix(RUN).split(":")[0].split(" | ")
+        pieces = [
+            (m, s, e)
+            for m in meshes.split(",")
+            for s in sizes.split(",")
+            for e in engines.split(",")
+        ]
+        if any(piece in left for piece in pieces):
             runs.append(line)
     meshes = list(dict.fromkeys(r["mesh"] for r in [*kept, *rows]))
 
@@ -254,7 +270,10 @@ def _merged(rows: list[dict], path: pathlib.Path, run: str) -> tuple[list[dict],
         size = SIZES.index(r["model"]) if r["model"] in SIZES else len(SIZES)
         return meshes.index(r["mesh"]), size, r["model"], ENGINES.index(r["engine"])
 
-    return sorted([*kept, *rows], key=order), [*runs, run]
+    # rows of an older file may lack a column added since: left empty
+    columns = list(dict.fromkeys(k for r in [*rows, *kept] for k in r))
+    merged = [{k: r.get(k, "") for k in columns} for r in [*kept, *rows]]
+    return sorted(merged, key=order), [*runs, run]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -264,6 +283,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--meshes", default="2x4,16x8", help="meshes, NODESxLOCAL, comma-separated")
     p.add_argument("--sizes", default=",".join(SIZES), help="presets, comma-separated")
+    p.add_argument(
+        "--engines", default=",".join(ENGINES), help="rows of these engines, comma-separated"
+    )
     p.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence (2048)")
     p.add_argument("--quick", action="store_true", help="tiny on 2 x 4, 128 tokens")
     p.add_argument("--out", default=str(_common.RESULTS))
@@ -284,6 +306,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.meshes, args.sizes, args.seq = "2x4", "tiny", 128
     if args.merge and args.reestimate:
         p.error("--merge and --reestimate: re-estimate the whole file, without --merge")
+    unknown = [e for e in args.engines.split(",") if e not in ENGINES]
+    if unknown:
+        p.error(f"--engines: {unknown} unknown; expected some of {','.join(ENGINES)}")
+    if args.reestimate and args.engines != ",".join(ENGINES):
+        p.error("--reestimate re-estimates every row: leave --engines at its default")
     _common.request_cpu_devices(8)
     machine = _common.machine_line()  # before this run writes anything into the tree
     rows: list[dict] = []
@@ -298,16 +325,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # a file re-estimated before: keep only what it says of the measurement
         measured_on = measured_on.removeprefix("Measured: ").split(". Estimate: ")[0]
     for mesh in args.meshes.split(","):
-        cmd = [sys.executable, __file__, "--worker", mesh, str(args.seq), *args.sizes.split(",")]
+        cmd = [sys.executable, __file__, "--worker", mesh, str(args.seq), args.engines]
+        cmd += args.sizes.split(",")
         if args.reestimate:
             cmd.append("--estimate-only")
         rows += _common.worker_rows(cmd, f"memory.py: the {mesh} worker")
-    run = f"`python experiments/memory.py {' '.join(argv)}`, {time.time() - started:.0f} s. "
+    run = f"`python experiments/memory.py {shlex.join(argv)}`, {time.time() - started:.0f} s. "
     if args.reestimate:
         rows = _reestimated(measured, rows)
         machine = f"Measured: {measured_on.removesuffix('.')}. Estimate: {machine}"
     if args.merge:
-        piece = f"{RUN}{args.meshes} {args.sizes}: {machine}; {run.strip()}"
+        piece = f"{RUN}{args.meshes} | {args.sizes} | {args.engines}: {machine}; {run.strip()}"
         rows, runs = _merged(rows, out / f"{name}.csv", piece)
         machine, run = "\n".join(runs).removesuffix("."), ""
     _common.write_csv(out / f"{name}.csv", rows)
