@@ -99,10 +99,12 @@ def test_a_model_group_never_spans_hosts():
 class Annotated(nn.Module):
     names: tuple
     features: int = 8
+    logical: bool = False  # `names` are flax logical names (resolved by axis rules)
 
     @nn.compact
     def __call__(self, x):
-        init = nn.with_partitioning(nn.initializers.lecun_normal(), self.names)
+        boxed = nn.with_logical_partitioning if self.logical else nn.with_partitioning
+        init = boxed(nn.initializers.lecun_normal(), self.names)
         return nn.Dense(self.features, kernel_init=init, use_bias=False)(x)
 
 
@@ -236,15 +238,20 @@ def test_model_size_one_trains_and_communicates_as_the_two_axis_mesh():
     assert max_rel_err(p3, p2) == 0.0
 
 
-def test_zeropp_formats_with_tensor_parallelism_stay_within_the_quantizer_bound():
-    """int8 weight gathers (hpZ) and int4 two-hop gradients on a column-parallel weight:
-    the weight the model sees is within half a step of the largest block, and the
-    gradient within two hops' half steps of every contribution."""
+@pytest.mark.parametrize("logical", [False, True], ids=["mesh-names", "logical-names"])
+def test_zeropp_formats_with_tensor_parallelism_stay_within_the_quantizer_bound(logical):
+    """int8 weight gathers (hpZ) and int4 two-hop gradients on a column-parallel weight,
+    annotated with the mesh's names or with logical names under `RULES`: the weight the
+    model sees is within half a step of the largest block, and the gradient within two
+    hops' half steps of every contribution."""
     mesh = zpp.make_mesh(2, 2, model_size=2)
     config = zpp.ZeroPPConfig(compute_dtype=jnp.float32, weight_block_size=8, grad_block_size=8)
-    model = Annotated((None, "model"), 16)
+    names = ("embed", "mlp") if logical else (None, "model")
+    model = Annotated(names, 16, logical=logical)
     x = np.tile(np.eye(8, dtype=np.float32), (2, 1))  # 16 rows: the weight's rows, twice
-    state = create(model, mesh, x, config, tx=optax.sgd(1.0))
+    with nn.logical_axis_rules(RULES if logical else ()):
+        state = create(model, mesh, x, config, tx=optax.sgd(1.0))
+    assert state.params["Dense_0"]["kernel"].sharding.spec == P_TP
     w = np.asarray(zpp.gather_params(state)["Dense_0"]["kernel"], np.float64)
 
     def step(state, batch):
