@@ -243,11 +243,11 @@ def main(argv: list[str] | None = None) -> int:
                 r["vocab"],
                 r["params_M"],
                 r["steps"],
-                r["bytes_per_token"],
-                r["val_loss_nats_per_token"],
-                r["float_bits_per_byte"],
-                r["int8_bits_per_byte"],
-                r["int4_bits_per_byte"],
+                f"{r['bytes_per_token']:.3f}",
+                f"{r['val_loss_nats_per_token']:.4f}",
+                f"{r['float_bits_per_byte']:.4f}",
+                f"{r['int8_bits_per_byte']:.4f}",
+                f"{r['int4_bits_per_byte']:.4f}",
                 f"{r['int8_vs_float_pct']:+.2f}%",
                 f"{r['int4_vs_float_pct']:+.2f}%",
                 f"{r['train_min']}, {r['train_parts']}",
@@ -268,15 +268,16 @@ def main(argv: list[str] | None = None) -> int:
         if not mixed
         else f"This evaluation ran {describe(code)}; NOT the same code: " + "; ".join(mixed) + "."
     )
-    calls = f"`python experiments/tokenizer_study.py --steps {args.steps} --vocab {args.vocab}`" + (
-        " --evaluate-only" if args.evaluate_only else ""
-    )
+    calls = f"python experiments/tokenizer_study.py --steps {args.steps} --vocab {args.vocab}"
+    calls += " --evaluate-only" if args.evaluate_only else ""
     if any(r["train_parts"] > 1 for r in rows) or args.time_limit:
         calls = (
             f"`python experiments/tokenizer_study.py --steps {args.steps} --vocab {args.vocab} "
             "--work W --only bytes|bpe --time-limit M`, repeated until each run was done, "
-            f"then {calls} --work W"
+            f"then `{calls} --work W`"
         )
+    else:
+        calls = f"`{calls}`"
     text = [
         "# Bytes against a BPE, and the quantized weights against float",
         "",
@@ -303,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "A sequence of 128 BPE tokens spans about "
         f"{rows[-1]['bytes_per_token'] * 128:.0f} bytes of text against 128 for bytes, and the "
-        "BPE's embedding is 16 times larger; both runs take the same steps and tokens per "
-        "step.",
+        "BPE's embedding is "
+        f"{rows[-1]['vocab'] / rows[0]['vocab']:.3g} times larger; both runs take the same "
+        "steps and tokens per step.",
         "",
     ]
     for name, sample in samples.items():
