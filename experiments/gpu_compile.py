@@ -4,6 +4,8 @@ machine and reads what the GPU would run.
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python experiments/gpu_compile.py          # all rows
     ... python experiments/gpu_compile.py --models gpt --meshes 2x4 --out /tmp/g  # fewer
     ... python experiments/gpu_compile.py --flags-study                         # the flags
+    ... python experiments/gpu_compile.py --rows "ZeRO++/gpt/2x8/docs" --no-kernels --merge
+                                             # one row, added to the table's other rows
 
 Needs the CUDA plugin (`pip install "jax-cuda12-plugin[with-cuda]==0.10.2"
 "jax-cuda12-pjrt==0.10.2"`, about 5.5 GB) but no GPU and no driver: XLA's GPU compiler
@@ -16,7 +18,8 @@ own FSDP, the GPT pinning its activations to the batch at every block boundary, 
 MaxText does), each model (the trainer's default GPT, scanned; the 1.3B preset, scanned, `--remat
 full`, one sequence of 2048 tokens per GPU) and each mesh, it compiles one training step
 from shapes alone, without XLA flags and with the flags `docs/gpu_cluster.md` recommends
-(`DOC_FLAGS`, passed as compiler options), and reads the compiled, scheduled HLO:
+(`DOC_FLAGS`, passed as compiler options), and reads the compiled, scheduled HLO
+(`gpu_program.py`):
 
   * every collective, whether asynchronous (a `-start` / `-done` pair XLA did not mark
     `is_sync`), and the dtypes it sends (`wire_dtypes`; 8- and 4-bit payloads travel as
@@ -46,7 +49,6 @@ Writes `gpu_compile.{csv,md}` (and with `--flags-study` `gpu_flags.{csv,md}`) in
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import gc
 import os
@@ -61,13 +63,23 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs JAX; the GPU is a
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
+from gpu_program import (  # noqa: E402
+    ENGINES,
+    FLAG_SETS,
+    MESHES,
+    MODELS,
+    Precompiled,
+    merged,
+    minimal_hlo,
+    read_program,
+    read_rows,
+    report,
+    same_bytes,
+    write_kernels,
+)
 
 TARGETS = pathlib.Path(__file__).resolve().parent / "gpu_targets"
-ENGINES = ("ZeRO-3", "ZeRO++", "int4-delta", "XLA FSDP")
 SLUGS = {"ZeRO-3": "zero3", "ZeRO++": "zeropp", "int4-delta": "int4_delta", "XLA FSDP": "xla_fsdp"}
-MODELS = ("gpt", "1.3b")
-MESHES = ("2x4", "2x8")
-FLAG_SETS = ("none", "docs")
 GB = 1e9
 
 DOC_FLAGS: dict[str, Any] = {
@@ -214,158 +226,30 @@ def build_step(engine: str, model: str, mesh: Any) -> Step:
 
 
 def compiler_options(flags: str, layer_bytes: int) -> dict[str, Any]:
-    """The XLA options of a flag set: none, or `DOC_FLAGS` with one layer's bytes as the
-    combine thresholds."""
-    if flags == "none":
-        return {}
-    return {k: (layer_bytes if v is None else v) for k, v in DOC_FLAGS.items()}
-
-
-# ------------------------------------------------------------------- reading the program
-
-
-_KEPT_OPS = ("while", "call", "conditional", "async-start", "async-done")
-"""Instructions whose metadata and backend config `minimal_hlo` keeps (and collectives)."""
-_LOCATION_RE = re.compile(
-    r" (?:stack_frame_id|source_line|source_end_line|source_column"
-    r"|source_end_column)=\S+| source_file=\"[^\"]*\""
-)
-
-
-def minimal_hlo(text: str) -> str:
-    """Compiled HLO text cut to what `scheduled_collectives`, `loop_bodies` and the ledger
-    read, for small test fixtures: the source-location tables, the bodies of fused
-    computations and reducers, and the metadata and backend configs of every instruction
-    but collectives, loops and calls are dropped; the schedule order is kept."""
-    from zeropp_jax import hlo_text
-
-    drop = set(re.findall(r" fusion\(.*?calls=%([\w.\-]+)", text))
-    drop |= set(re.findall(r"to_apply=%([\w.\-]+)", text))
-    out, skipping, table = [], False, False
-    for line in text.splitlines():
-        if skipping:
-            skipping = line != "}"
-            continue
-        if line.strip() in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            table = True
-        if table:
-            table = bool(line.strip())
-            continue
-        head = re.match(r"^%([\w.\-]+) \(.*\{$", line)
-        if head and head.group(1) in drop:
-            skipping = True
-            continue
-        ins = hlo_text.parse_instruction(re.sub(r"/\*.*?\*/", "", line))
-        opcode = ins.opcode.removesuffix("-start").removesuffix("-done") if ins else ""
-        if opcode in hlo_text.COLLECTIVE_OPS or (ins and ins.opcode in _KEPT_OPS):
-            line = _LOCATION_RE.sub("", line)
-        else:
-            line = re.sub(r", metadata=\{[^}]*\}", "", line)
-            line = re.sub(r", backend_config=(?:\{.*\}|\"[^\"]*\")$", "", line)
-        out.append(line)
-    return "\n".join(out) + "\n"
-
-
-class Precompiled:
-    """Hands `comm_ledger(..., compiled=True)` a program compiled already."""
-
-    def __init__(self, compiled: Any) -> None:
-        self.compiled = compiled
-
-    def lower(self, *args: Any, **kwargs: Any) -> Precompiled:
-        return self
-
-    def compile(self) -> Any:
-        return self.compiled
-
-
-def axes_of(collective: Any, mesh: Any) -> str:
-    """`node`, `local`, `node+local` (or `-` when no data moves) for a collective."""
-    from zeropp_jax.groups import group_axes
-    from zeropp_jax.hlo_text import parse_replica_groups
-
-    if collective.op == "collective-permute":
-        pairs = parse_replica_groups(collective.replica_groups or "{}", 0)
-        groups = [p for p in pairs if len(set(p)) > 1]
-    else:
-        groups = parse_replica_groups(collective.replica_groups or "{}", mesh.devices.size)
-    return "+".join(group_axes(mesh, groups)) or "-"
-
-
-def wire_text(collectives: list, mesh: Any) -> str:
-    """`op/axes: dtypes` for each distinct kind, e.g. `all-gather/node: float32,int8`."""
-    kinds: dict[str, set[str]] = collections.defaultdict(set)
-    for c in collectives:
-        kinds[f"{c.op}/{axes_of(c, mesh)}"].update(c.dtypes)
-    return "; ".join(f"{k}: {','.join(sorted(v))}" for k, v in sorted(kinds.items()))
-
-
-def gather_bytes(gathers: list) -> str:
-    """Operand bytes per device of the gathers by dtype, in MB (each instruction once)."""
-    from zeropp_jax.hlo_text import array_shapes
-
-    by: dict[str, int] = collections.defaultdict(int)
-    for g in gathers:
-        for shape in g.shapes:
-            for dtype, nbytes in array_shapes(shape):
-                by[dtype] += nbytes
-    return "; ".join(f"{d} {b / 1e6:.3f}" for d, b in sorted(by.items()))
-
-
-def same_bytes(gpu: Any, asked: Any) -> bool:
-    """Whether the GPU program sends per (op, mesh axes, dtype) what the ledger says,
-    through the node links and in total (to 0.1%)."""
-    a, b = gpu.bytes_by("op", "axes", "dtype"), asked.bytes_by("op", "axes", "dtype")
-    keys = {k for k in set(a) | set(b) if max(a.get(k, 0), b.get(k, 0)) > 1024}
-    close = all(
-        abs(a.get(k, 0) - b.get(k, 0)) <= 1e-3 * max(a.get(k, 0), b.get(k, 0)) for k in keys
+    """The XLA options of a flag set: `none`, or `docs` (`DOC_FLAGS`, one layer's bytes as
+    the combine thresholds), each optionally followed by `+name=value` options of XLA's
+    (`docs+xla_gpu_experimental_parallel_collective_overlap_limit=2`)."""
+    base, *extra = flags.split("+")
+    if base not in FLAG_SETS:
+        raise SystemExit(
+            f"gpu_compile: flag set {flags!r} starts with {base!r}; expected "
+            f"one of {FLAG_SETS}, then optional '+name=value' options."
+        )
+    out = (
+        {}
+        if base == "none"
+        else {k: (layer_bytes if v is None else v) for k, v in DOC_FLAGS.items()}
     )
-    return close and abs(gpu.link_bytes - asked.link_bytes) <= 1e-3 * max(asked.link_bytes, 1)
-
-
-def read_program(compiled: Any, mesh: Any) -> dict[str, Any]:
-    """What the compiled step runs: collectives, their overlap, per loop."""
-    from zeropp_jax import hlo_text
-    from zeropp_jax.ledger import phase_of
-
-    module = hlo_text.parse_hlo_module(compiled.as_text())
-    collectives = hlo_text.scheduled_collectives(module)
-    bodies = hlo_text.loop_bodies(module)
-    paths = hlo_text.call_paths(module)
-
-    def where(c) -> str:
-        chain = paths.get(c.computation) or [()]
-        names = [call.op_name for call, _ in chain[0]] + [c.op_name]
-        phase = "bwd" if phase_of(names) == "backward" else "fwd"
-        return f"{phase} loop" if c.computation in bodies else phase
-
-    gathers = [c for c in collectives if c.op == "all-gather"]
-    per_place: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
-    for g in gathers:
-        counts = per_place[where(g)]
-        counts[0] += 1
-        counts[1] += g.asynchronous
-        counts[2] += g.overlapped
-    places = "; ".join(
-        f"{k} {a}/{o}/{n}" for k, (n, a, o) in sorted(per_place.items()) if n
-    )  # async / overlapped / gathers
-    tight = [
-        f"{g.name} ({where(g)}, {','.join(g.dtypes)}, {'async' if g.asynchronous else 'sync'})"
-        for g in gathers
-        if not g.overlapped
-    ]
-    return {
-        "collectives": len(collectives),
-        "async_collectives": sum(c.asynchronous for c in collectives),
-        "gathers": len(gathers),
-        "overlapped_gathers": sum(g.overlapped for g in gathers),
-        "matmul_overlapped_gathers": sum(g.overlapped and g.matmuls > 0 for g in gathers),
-        "gathers_by_place": places,
-        "wire_dtypes": wire_text(collectives, mesh),
-        "gather_mb": gather_bytes(gathers),
-        "not_overlapped": tight,
-        "loops": {b: n for b, (_, n) in bodies.items()},
-    }
+    for option in extra:
+        name, sep, value = option.partition("=")
+        if not sep or not name.startswith("xla_"):
+            raise SystemExit(
+                f"gpu_compile: option {option!r} in {flags!r} is not 'xla_<name>=<value>'."
+            )
+        out[name] = {"true": True, "false": False}.get(value.lower(), value)
+        if isinstance(out[name], str) and out[name].lstrip("-").isdigit():
+            out[name] = int(out[name])
+    return out
 
 
 def measure(
@@ -551,10 +435,11 @@ def flags_study(gpu: str) -> list[dict[str, Any]]:
 
 HEAD = """# GPU programs compiled without a GPU
 
-`python experiments/gpu_compile.py` (deviceless compilation for {gpu} topologies of
-`nodes x 1 x GPUs per node`, jax-cuda12-plugin {plugin}).
+`python experiments/gpu_compile.py` (deviceless compilation for topologies of
+`nodes x 1 x GPUs per node` of the GPU in the `gpu` column, jax-cuda12-plugin {plugin}).
 
-{machine}
+The run that last wrote this file: {machine}. The rows come from several runs (`--rows`,
+`--merge`, `--rows-from`): each row's `code` column names the code that compiled it.
 
 Each row is one training step compiled by XLA's GPU compiler for that mesh of GPUs, read
 from the compiled, scheduled program. **These are schedules, not times:** an overlapped
@@ -602,6 +487,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--meshes", default=",".join(MESHES))
     p.add_argument("--flags", default=",".join(FLAG_SETS))
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="only these rows, 'engine/model/mesh/flags' separated by commas (e.g. "
+        "'ZeRO++/gpt/2x8/docs,XLA FSDP/gpt/2x8/docs'), instead of the product of "
+        "--engines, --models, --meshes and --flags",
+    )
     p.add_argument("--no-kernels", action="store_true", help="skip the Pallas kernels")
     p.add_argument("--kernels-only", action="store_true", help="only the Pallas kernels")
     p.add_argument("--flags-study", action="store_true", help="only the per-flag study")
@@ -630,7 +522,6 @@ def main(argv: list[str] | None = None) -> None:
     from importlib.metadata import version
 
     head = HEAD.format(
-        gpu=args.gpu.upper(),
         plugin=version("jax-cuda12-plugin"),
         machine=_common.machine_line(),
     )
@@ -650,19 +541,18 @@ def main(argv: list[str] | None = None) -> None:
         _common.write_text(args.out / f"{args.name}.md", report(head, rows, kernels))
 
     if args.kernels_only:
-        _common.write_csv(kernels_path, kernel_rows(args.gpu))
+        write_kernels(kernels_path, kernel_rows(args.gpu))
         write([])
         _common.say_written([args.out / f"{args.name}.md", kernels_path])
         return
     if args.rows_from is not None:  # rows printed by earlier runs: no compiling
         import ast
 
-        rows = [
-            ast.literal_eval(line)
-            for log in args.rows_from
-            for line in log.read_text().splitlines()
-            if line.startswith("{'engine'")
-        ]
+        lines = [line for log in args.rows_from for line in log.read_text().splitlines()]
+        rows = [ast.literal_eval(line) for line in lines if line.startswith("{'engine'")]
+        kernels = [ast.literal_eval(line) for line in lines if line.startswith("{'kernel'")]
+        for gpu in dict.fromkeys(k["gpu"] for k in kernels):
+            write_kernels(kernels_path, [k for k in kernels if k["gpu"] == gpu])
         for row in rows:  # rows of runs before the CPU form was a column
             if "estimate_cpu_gb" not in row:
                 nodes, local = (int(v) for v in row["mesh"].split("x"))
@@ -671,72 +561,54 @@ def main(argv: list[str] | None = None) -> None:
         write(rows)
         _common.say_written([args.out / f"{args.name}.md", csv_path])
         return
+    code = _common.source_version()
     rows = []
-    for mesh_text in args.meshes.split(","):
+    for mesh_text, model, engine, flag_sets in selected(args):
         nodes, local = (int(v) for v in mesh_text.split("x"))
         mesh = gpu_mesh(args.gpu, nodes, local)
-        for model in args.models.split(","):
-            for engine in args.engines.split(","):
-                step = build_step(engine, model, mesh)
-                for flags in args.flags.split(","):
-                    row = {"engine": engine, "model": model, "mesh": mesh_text, "flags": flags}
-                    name = "_".join((SLUGS[engine], model, mesh_text, flags))
-                    row.update(measure(step, mesh, flags, args.save_hlo, name))
-                    rows.append(row)
-                    print(row, flush=True)
-                    write(rows)  # after every row: a long run keeps what it has
-                    gc.collect()
-                del step
-                jax.clear_caches()
+        step = build_step(engine, model, mesh)
+        for flags in flag_sets:
+            row = {"engine": engine, "model": model, "mesh": mesh_text, "flags": flags}
+            row["gpu"] = args.gpu
+            name = "_".join((SLUGS[engine], model, mesh_text, flags, args.gpu))
+            row.update(measure(step, mesh, flags, args.save_hlo, name))
+            row["code"] = code
+            rows.append(row)
+            print(row, flush=True)
+            write(rows)  # after every row: a long run keeps what it has
+            gc.collect()
+        del step, mesh
+        jax.clear_caches()
     if not args.no_kernels:
-        _common.write_csv(kernels_path, kernel_rows(args.gpu))
+        write_kernels(kernels_path, kernel_rows(args.gpu))
         write(rows)
     _common.say_written([args.out / f"{args.name}.md", csv_path])
 
 
-KEY = ("engine", "model", "mesh", "flags")
-
-
-def read_rows(path: pathlib.Path) -> list[dict[str, Any]]:
-    import csv
-
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def merged(old: list[dict], new: list[dict]) -> list[dict]:
-    """`old` with the rows of `new` replacing those of the same key, new keys appended,
-    in the order engines x models x meshes x flags."""
-    by = {tuple(str(r[k]) for k in KEY): r for r in old}
-    by.update({tuple(str(r[k]) for k in KEY): r for r in new})
-
-    def order(key):
-        engine, model, mesh, flags = key
-        rank = {v: i for group in (ENGINES, MODELS, MESHES, FLAG_SETS) for i, v in enumerate(group)}
-        return (rank.get(mesh, 9), rank.get(model, 9), rank.get(engine, 9), rank.get(flags, 9))
-
-    rows = [by[k] for k in sorted(by, key=order)]
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    return [{k: r.get(k, "") for k in columns} for r in rows]
-
-
-def report(head: str, rows: list[dict], kernels: list[dict]) -> str:
-    """The markdown: the table (without the long columns), the kernels, then each gather
-    that has no compute between its start and its done."""
-    short = [k for k in rows[0] if k not in ("not_overlapped", "gather_mb")]
-    text = head + _common.markdown_table(short, [[r[k] for k in short] for r in rows])
-    text += "\nGather operand bytes per GPU by dtype (MB, each instruction once):\n\n"
-    text += _common.markdown_table(
-        [*KEY, "gather_mb"], [[*(r[k] for k in KEY), r["gather_mb"]] for r in rows]
-    )
-    if kernels:
-        text += "\n## The Pallas kernels alone, compiled for one GPU\n\n"
-        text += _common.markdown_table(list(kernels[0]), [list(r.values()) for r in kernels])
-    text += "\n## Gathers with no compute between their start and their done\n\n"
-    for r in rows:
-        if r["not_overlapped"]:
-            text += f"- {', '.join(str(r[k]) for k in KEY)}: {r['not_overlapped']}\n"
-    return text
+def selected(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
+    """(mesh, model, engine, flag sets) to compile: `--rows`, or the product of
+    `--meshes`, `--models`, `--engines` and `--flags`."""
+    if args.rows is None:
+        return [
+            (mesh, model, engine, args.flags.split(","))
+            for mesh in args.meshes.split(",")
+            for model in args.models.split(",")
+            for engine in args.engines.split(",")
+        ]
+    out: list[tuple[str, str, str, list[str]]] = []
+    for spec in args.rows.split(","):
+        parts = spec.split("/")
+        if len(parts) != 4 or parts[0] not in ENGINES or parts[3].split("+")[0] not in FLAG_SETS:
+            raise SystemExit(
+                f"gpu_compile: --rows entry {spec!r} is not engine/model/mesh/flags with "
+                f"engine in {ENGINES} and flags in {FLAG_SETS} (+name=value options after)."
+            )
+        engine, model, mesh, flags = parts
+        if out and out[-1][:3] == (mesh, model, engine):
+            out[-1][3].append(flags)
+        else:
+            out.append((mesh, model, engine, [flags]))
+    return out
 
 
 if __name__ == "__main__":

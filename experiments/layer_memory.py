@@ -1,18 +1,20 @@
 """Compiled memory per device of the trainer's GPT, unrolled and scanned: gathering at use.
 
-    python experiments/layer_memory.py            # d_model 512, 4 and 8 layers (minutes)
-    python experiments/layer_memory.py --quick    # d_model 64, 2 and 4 layers
+    python experiments/layer_memory.py                 # d_model 512, 4 and 8 layers (minutes)
+    python experiments/layer_memory.py --quick         # d_model 64, 2 and 4 layers
+    python experiments/layer_memory.py --remat full    # every engine recomputes each block
 
 For each layout (unrolled blocks, `nn.scan` over stacked blocks) and depth, compiles one
-training step (AdamW, bfloat16 compute, global batch 16, sequence 128) and reads
-`compiled.memory_analysis()` per device: plain one-device training of the same per-device
-batch (`jax.jit`, nothing sharded), XLA's own FSDP (`zeropp_jax.baselines`: `jax.jit`
-with the parameters and optimizer state sharded over all devices), our ZeRO-3 and ZeRO++
-through `zpp.shard`, on a 2 x 4 mesh. No XLA flag other than the emulated device count
-is set: XLA:CPU's default scheduler runs. Reports temp and argument bytes, the temp added
-per added layer in units of one layer's full bfloat16 weights, and the whole model's full
-bfloat16 weights. Compile only; nothing runs. Writes `layer_memory.{md,csv}` into `--out` (default
-`experiments/results`).
+training step (AdamW, bfloat16 compute, global batch 16, sequence 128, the GPT's remat
+policy `--remat`, the same under every engine) and reads `compiled.memory_analysis()` per
+device under each engine of `_engines.ENGINES`: plain one-device training of the same
+per-device batch (`jax.jit`, nothing sharded), XLA's own FSDP (`zeropp_jax.baselines`:
+`jax.jit` with the parameters and optimizer state sharded over all devices), our ZeRO-3
+and ZeRO++ through `zpp.shard`, on a 2 x 4 mesh. No XLA flag other than the emulated
+device count is set: XLA:CPU's default scheduler runs. Reports temp and argument bytes,
+the temp added per added layer in units of one layer's full bfloat16 weights, and the
+whole model's full bfloat16 weights. Compile only; no step runs. Writes
+`layer_memory{,_quick}.{md,csv}` into `--out` (default `experiments/results`).
 """
 
 from __future__ import annotations
@@ -27,49 +29,16 @@ import _common  # noqa: E402
 
 _common.request_cpu_devices(8)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax.training import train_state  # noqa: E402
+from _engines import ENGINES, compiled_step  # noqa: E402
 
-import zeropp_jax as zpp  # noqa: E402
-from zeropp_jax import baselines  # noqa: E402
-from zeropp_jax.train.model import GPT, GPTConfig, loss_fn  # noqa: E402
+from zeropp_jax.train.model import REMAT, GPTConfig  # noqa: E402
 
 BATCH = 16
-ENGINES = ("one device", "XLA FSDP", "ZeRO-3", "ZeRO++")
-
-
-def train_step(state, batch):
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
-    return state.apply_gradients(grads=grads), {"loss": loss}
 
 
 def compiled_memory(engine: str, cfg: GPTConfig) -> dict[str, int]:
     """Per-device temp and argument bytes of one compiled step."""
-    model = GPT(cfg)
-    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
-    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
-    params = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), params)
-    batch = np.zeros((BATCH, cfg.seq_len + 1), np.int32)
-    tx = optax.adamw(1e-3)
-    if engine == "one device":
-        bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
-        state = train_state.TrainState.create(apply_fn=model.apply, params=bf16, tx=tx)
-        compiled = jax.jit(train_step).lower(state, batch[: BATCH // 8]).compile()
-    elif engine == "XLA FSDP":
-        mesh = zpp.make_mesh(2, 4)
-        state = baselines.xla_fsdp_state(apply_fn=model.apply, params=params, tx=tx, mesh=mesh)
-        compiled = baselines.xla_fsdp_step(train_step, state, mesh).lower(state, batch).compile()
-    else:
-        config = zpp.ZeroPPConfig.zero3() if engine == "ZeRO-3" else zpp.ZeroPPConfig()
-        mesh = zpp.make_mesh(2, 4)
-        state = zpp.TrainState.create(
-            apply_fn=model.apply, params=params, tx=tx, mesh=mesh, config=config
-        )
-        compiled = zpp.shard(train_step).lower(state, batch).compile()
-    analysis = compiled.memory_analysis()
+    analysis = compiled_step(engine, cfg, BATCH)[0].memory_analysis()
     return {
         "temp": int(analysis.temp_size_in_bytes),
         "args": int(analysis.argument_size_in_bytes),
@@ -91,11 +60,17 @@ def model_bytes(cfg: GPTConfig) -> int:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="d_model 64, 2 and 4 layers")
+    p.add_argument(
+        "--remat",
+        choices=REMAT,
+        default="none",
+        help="the GPT's remat policy, the same under every engine (none)",
+    )
     p.add_argument("--out", default=str(_common.RESULTS))
     args = p.parse_args(argv)
     machine = _common.machine_line()  # before this run writes anything into the tree
     d_model, depths = (64, (2, 4)) if args.quick else (512, (4, 8))
-    base = GPTConfig(d_model=d_model, n_heads=8, seq_len=128)
+    base = GPTConfig(d_model=d_model, n_heads=8, seq_len=128, remat=args.remat)
     rows = []
     for scan in (False, True):
         measured = {}
@@ -113,6 +88,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 {
                     "layout": "nn.scan" if scan else "unrolled",
                     "engine": engine,
+                    "remat": args.remat,
                     "layers": hi,
                     "temp_MB": round(measured[engine, hi]["temp"] / 1e6, 2),
                     "args_MB": round(measured[engine, hi]["args"] / 1e6, 2),
@@ -130,7 +106,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"# Compiled memory per device: gathering at use\n\n{machine}."
         f"\n\nTrainer's GPT, d_model {d_model}, "
         f"{depths[0]} and {depths[1]} layers, global batch {BATCH}, sequence 128, AdamW, "
-        "bfloat16 compute, 2 x 4 mesh (one device: the per-device batch, unsharded). "
+        "bfloat16 compute, 2 x 4 mesh (one device: the per-device batch, unsharded), "
+        f"remat `{args.remat}` (`nn.remat` around each block) under every engine. "
         "`temp_per_added_layer_in_layers`: temp added per added layer over one layer's full "
         "bfloat16 weights. `temp_over_full_model`: temp over the whole model's full "
         "bfloat16 weights. No XLA flags.\n\n"

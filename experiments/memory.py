@@ -5,6 +5,8 @@ analytic estimate of `zeropp_jax.train.plan`.
     python experiments/memory.py --meshes 2x4       # the 8-device mesh only
     python experiments/memory.py --quick            # tiny, 2 x 4 (seconds; for tests)
     python experiments/memory.py --meshes 2x4 --reestimate   # new estimate, same totals
+    python experiments/memory.py --meshes 16x8 --sizes 125m,350m --merge   # in pieces
+    python experiments/memory.py --meshes 2x4 --engines "XLA FSDP" --merge  # some rows
 
 For each preset (`zeropp-train --model`: scanned layers, `--remat full`, bfloat16 compute,
 the trainer's AdamW chain, one sequence of 2048 tokens per device) and each mesh, compiles
@@ -17,11 +19,17 @@ devices), our ZeRO-3 and ZeRO++ (`zpp.shard`, state donated), each of the two al
 gradient reduced at each of its two uses, not held through the backward). Each row sits against the
 estimate (the module docstring of `zeropp_jax/train/plan.py` writes out every term; XLA's
 FSDP is set against the ZeRO-3 formula, which it would meet if it gathered one layer at a
-time). Each mesh runs in its own process with that many emulated CPU devices. No XLA flag
+time). The four rows of our engines also carry their ledger (`zpp.comm_ledger` of the
+same step, lowered): M per device and per node link in one direction (M = the model in
+16-bit bytes), so that the per-use rows' extra reduction shows beside the memory it saves.
+Each mesh runs in its own process with that many emulated CPU devices. No XLA flag
 other than the device count is set. Compile only.
 
 Writes `memory.{md,csv,png}` into `--out` (default `experiments/results`); with other
-`--meshes`, `memory_<meshes>.{md,csv,png}`.
+`--meshes`, `memory_<meshes>.{md,csv,png}`. With `--merge` the rows of the meshes, sizes
+and engines measured replace those already in that file and the others are kept (a long
+table measured in pieces, e.g. one submission per size); the header lists each piece's
+run, so a row's commit is that of the piece that measured it.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
 import sys
 import time
 
@@ -126,6 +135,12 @@ def measure(
         return {"mesh": f"{nodes}x{local}", "model": size, "engine": engine,
                 "estimate_GB": round(est.total / GB, 3)}  # fmt: skip
     need = fit.need_of(step.lower(state, batch).compile())
+    seconds = time.perf_counter() - t
+    sent = link = ""  # the baselines' collectives exist only once XLA compiled them
+    if engine not in ("data parallel", "XLA FSDP"):
+        ledger = zpp.comm_ledger(step, state, batch, param_count=param_count(gpt))
+        sent = round(ledger.in_units_of_M(ledger.total_bytes), 4)
+        link = round(ledger.in_units_of_M(ledger.link_bytes), 4)
     return {
         "mesh": f"{nodes}x{local}",
         "model": size,
@@ -136,14 +151,16 @@ def measure(
         "total_GB": round(need.total / GB, 3),
         "estimate_GB": round(est.total / GB, 3),
         "xla_over_estimate": round(need.total / est.total, 3),
-        "compile_s": round(time.perf_counter() - t, 1),
+        "ledger_M": sent,
+        "link_M": link,
+        "compile_s": round(seconds, 1),
     }
 
 
 def worker(argv: list[str]) -> None:
-    """`--worker MESH SEQ [--estimate-only] SIZE...`: prints one JSON row per size and
-    engine."""
-    mesh, seq, *sizes = argv
+    """`--worker MESH SEQ ENGINES [--estimate-only] SIZE...`: prints one JSON row per size
+    and engine (`ENGINES`: comma-separated)."""
+    mesh, seq, engines, *sizes = argv
     compile = "--estimate-only" not in sizes
     sizes = [s for s in sizes if s != "--estimate-only"]
     shape = _mesh_shape(mesh)
@@ -152,7 +169,7 @@ def worker(argv: list[str]) -> None:
 
     warnings.simplefilter("ignore")  # the engine's per-leaf notes; the rows say what ran
     for size in sizes:
-        for engine in ENGINES:
+        for engine in engines.split(","):
             row = measure(size, engine, shape, int(seq), compile=compile)
             print(json.dumps(row), flush=True)
 
@@ -208,6 +225,57 @@ def _reestimated(measured: list[dict], estimates: list[dict]) -> list[dict]:
     return rows
 
 
+RUN = "- measured "
+"""The start of each line of a merged file's header that names one piece's run."""
+
+
+def _merged(rows: list[dict], path: pathlib.Path, run: str) -> tuple[list[dict], list[str]]:
+    """`rows` merged into the table at `path` (`name.md` beside it): the rows already there
+    whose mesh, model and engine `rows` do not measure, then `rows`, in mesh, size and
+    engine order; and the header's run lines (`RUN meshes | sizes | engines: ...`), `run`
+    for this piece and those of the older pieces that still have rows. A file written
+    without `--merge` is one piece."""
+    if not path.exists():
+        return rows, [run]
+    old = _read_rows(path)
+
+    def key(r: dict) -> tuple[str, str, str]:
+        return r["mesh"], r["model"], r["engine"]
+
+    new = {key(r) for r in rows}
+    kept = [r for r in old if key(r) not in new]
+    head = path.with_suffix(".md").read_text().split("\n\n")[1]
+    lines = [line for line in head.splitlines() if line.startswith(RUN)]
+    if not lines:  # one run wrote it all: name what it measured
+
+        def names(field: str) -> str:
+            return ",".join(dict.fromkeys(str(r[field]) for r in old))
+
+        lines = [f"{RUN}{names('mesh')} | {names('model')} | {names('engine')}: {head}"]
+    left = {key(r) for r in kept}
+    runs = []
+    for line in lines:
+        meshes, sizes, engines = line.removeprefix(RUN).split(":")[0].split(" | ")
+        pieces = [
+            (m, s, e)
+            for m in meshes.split(",")
+            for s in sizes.split(",")
+            for e in engines.split(",")
+        ]
+        if any(piece in left for piece in pieces):
+            runs.append(line)
+    meshes = list(dict.fromkeys(r["mesh"] for r in [*kept, *rows]))
+
+    def order(r: dict) -> tuple:
+        size = SIZES.index(r["model"]) if r["model"] in SIZES else len(SIZES)
+        return meshes.index(r["mesh"]), size, r["model"], ENGINES.index(r["engine"])
+
+    # rows of an older file may lack a column added since: left empty
+    columns = list(dict.fromkeys(k for r in [*rows, *kept] for k in r))
+    merged = [{k: r.get(k, "") for k in columns} for r in [*kept, *rows]]
+    return sorted(merged, key=order), [*runs, run]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = _common.worker_or_parent(argv, worker)
     if argv is None:
@@ -215,6 +283,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--meshes", default="2x4,16x8", help="meshes, NODESxLOCAL, comma-separated")
     p.add_argument("--sizes", default=",".join(SIZES), help="presets, comma-separated")
+    p.add_argument(
+        "--engines", default=",".join(ENGINES), help="rows of these engines, comma-separated"
+    )
     p.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence (2048)")
     p.add_argument("--quick", action="store_true", help="tiny on 2 x 4, 128 tokens")
     p.add_argument("--out", default=str(_common.RESULTS))
@@ -224,9 +295,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="keep the measured columns of the results files already in --out and "
         "recompute only the estimate with this commit's plan.estimate (nothing compiled)",
     )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace only the rows of these sizes and meshes in the results file of "
+        "--meshes and keep its others (a table measured in pieces)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.meshes, args.sizes, args.seq = "2x4", "tiny", 128
+    if args.merge and args.reestimate:
+        p.error("--merge and --reestimate: re-estimate the whole file, without --merge")
+    unknown = [e for e in args.engines.split(",") if e not in ENGINES]
+    if unknown:
+        p.error(f"--engines: {unknown} unknown; expected some of {','.join(ENGINES)}")
+    if args.reestimate and args.engines != ",".join(ENGINES):
+        p.error("--reestimate re-estimates every row: leave --engines at its default")
     _common.request_cpu_devices(8)
     machine = _common.machine_line()  # before this run writes anything into the tree
     rows: list[dict] = []
@@ -241,14 +325,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # a file re-estimated before: keep only what it says of the measurement
         measured_on = measured_on.removeprefix("Measured: ").split(". Estimate: ")[0]
     for mesh in args.meshes.split(","):
-        cmd = [sys.executable, __file__, "--worker", mesh, str(args.seq), *args.sizes.split(",")]
+        cmd = [sys.executable, __file__, "--worker", mesh, str(args.seq), args.engines]
+        cmd += args.sizes.split(",")
         if args.reestimate:
             cmd.append("--estimate-only")
         rows += _common.worker_rows(cmd, f"memory.py: the {mesh} worker")
-    run = f"`python experiments/memory.py {' '.join(argv)}`, {time.time() - started:.0f} s. "
+    run = f"`python experiments/memory.py {shlex.join(argv)}`, {time.time() - started:.0f} s. "
     if args.reestimate:
         rows = _reestimated(measured, rows)
         machine = f"Measured: {measured_on.removesuffix('.')}. Estimate: {machine}"
+    if args.merge:
+        piece = f"{RUN}{args.meshes} | {args.sizes} | {args.engines}: {machine}; {run.strip()}"
+        rows, runs = _merged(rows, out / f"{name}.csv", piece)
+        machine, run = "\n".join(runs).removesuffix("."), ""
     _common.write_csv(out / f"{name}.csv", rows)
     head = list(rows[0])
     text = (
@@ -257,7 +346,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"sequence of {args.seq} tokens per device; `total_GB` is arguments + temporaries + "
         "outputs not donated + code, per device, by `compiled.memory_analysis()`; "
         "`estimate_GB` is `zeropp_jax.train.plan.estimate` (XLA FSDP against the ZeRO-3 "
-        'formula); the per-use rows run `ZeroPPConfig(shared_grad="per_use")`. Compile '
+        'formula); the per-use rows run `ZeroPPConfig(shared_grad="per_use")`; `ledger_M` '
+        "and `link_M` are our engines' bytes per step (`zpp.comm_ledger`, lowered) per "
+        "device and through one node link in one direction, in M (the model in 16-bit "
+        "bytes). XLA FSDP is `zeropp_jax.baselines` (weights split on the model width, "
+        "activations pinned to the batch at each block, as MaxText runs it). Compile "
         "only; no XLA flags beyond the device count.\n\n"
         + _common.markdown_table(head, [list(r.values()) for r in rows])
     )

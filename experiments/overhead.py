@@ -5,12 +5,14 @@ each ZeRO++ technique alone and full ZeRO++, interleaved round by round (so mach
 hits every variant alike), and prints each variant's median step time with its min-max
 range over the rounds, and its ratio to each baseline paired round by round: in each round
 the variant's step over the baseline's step of the same round, reported as the median of
-those per-round ratios with their min-max spread (a single slow round moves the spread,
-not the median). Every round's times go to `overhead_rounds.csv`. Then breaks the ZeRO++
-step down by timing its stages on one device's share of the data: quantize (incl.
-packing), dequantize (incl. unpacking), the fused dequantize-sum(-requantize) of each
-gradient hop, and the model's own compute (forward + backward on one device's batch slice
-with full weights).
+those per-round ratios with their interquartile range and min-max spread (a single slow
+round moves the spread, not the median). Every round's times go to `overhead_rounds.csv`,
+and the machine's load average before and after the timed steps to the header (the timings
+need a quiet machine: a load above the core count means other jobs shared it). Then breaks
+the ZeRO++ step down by timing its stages on one device's share of the data: quantize
+(incl. packing), dequantize (incl. unpacking), the fused dequantize-sum(-requantize) of
+each gradient hop, and the model's own compute (forward + backward on one device's batch
+slice with full weights).
 
     python experiments/overhead.py                 # sizes 4M and 12M parameters
     python experiments/overhead.py --quick         # tiny smoke run
@@ -19,6 +21,7 @@ with full weights).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -55,12 +58,20 @@ def paired_ratios(times: list[float], base: list[float]) -> list[float]:
 
 
 def ratio(times: list[float], base: list[float]) -> str:
-    """The median of the per-round ratios `times / base` and their min-max spread, e.g.
-    `0.712 (0.650-0.801)`; "1" for the baseline itself."""
+    """The median of the per-round ratios `times / base`, their interquartile range and
+    their min-max spread, e.g. `0.712 (IQR 0.690-0.731; 0.650-0.801)`; "1" for the
+    baseline itself."""
     if times is base:
         return "1"
     r = paired_ratios(times, base)
-    return f"{statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})"
+    q1, _, q3 = statistics.quantiles(r, n=4, method="inclusive")
+    return f"{statistics.median(r):.3f} (IQR {q1:.3f}-{q3:.3f}; {min(r):.3f}-{max(r):.3f})"
+
+
+def load_line() -> str:
+    """The machine's load averages over 1, 5 and 15 minutes (`os.getloadavg`)."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} (1, 5, 15 min)"
 
 
 VARIANTS = {
@@ -182,6 +193,8 @@ def main(argv=None) -> None:
     sizes = [(256, 2, 16)] if args.quick else [(1024, 4, 64), (1536, 5, 64)]
     rounds = 2 if args.quick else args.rounds
     print(machine_line())
+    load_before = load_line()
+    print(f"before: {load_before}", flush=True)
     rows, stage_rows, round_rows = [], [], []
     for width, depth, batch in sizes:
         params_m = depth * (width * width + width) / 1e6
@@ -210,6 +223,7 @@ def main(argv=None) -> None:
                     "ms_per_step_per_device": round(seconds * 1e3, 2),
                 }
             )
+    load_after = load_line()
     head = ["model", "variant", "step s (median)", "min", "max"]
     head += [f"ratio to {b}" for b in BASELINES]
     table = markdown_table(head, [list(r.values()) for r in rows], "llrrrrr")
@@ -229,10 +243,14 @@ def main(argv=None) -> None:
         "# ZeRO++ compute overhead (no link limit)\n\n"
         f"{machine_line()}; mesh 2x4, {rounds} interleaved rounds, "
         "bf16 compute.\n\n"
+        f"Machine load: before the timed steps {load_before}; after them {load_after} "
+        "(this run alone keeps about one runnable thread per core busy; a load well above "
+        "the core count means other jobs shared the cores).\n\n"
         f"{table}\nStep times: median and range over the rounds (every round in "
         "`overhead_rounds.csv`; timings on a machine shared with other jobs are noisy). A "
         "ratio pairs the rounds: per round the variant's step over the baseline's step of "
-        "the same round; shown is the median of those ratios and their min-max spread.\n\n"
+        "the same round; shown is the median of those ratios, their interquartile range "
+        "(IQR) and their min-max spread.\n\n"
         "Stages of the ZeRO++ step (per device, summed over the weights, "
         f"medians of single runs; devices share the 2 cores, so 8 devices' stages "
         f"serialize):\n\n{stage_table}"

@@ -13,7 +13,15 @@ direction, gloo's algorithms as on the emulated cluster):
   * the data-parallel (ZeRO) collectives: for our engines from the lowered program (as JAX
     wrote them), for XLA FSDP from the program XLA:CPU compiled (it picks them);
   * the tensor-parallel collectives XLA inserted over `model` (compiled program; XLA:CPU
-    widens their bfloat16 to float32, so they count twice what a GPU sends).
+    widens their bfloat16 to float32, so they count twice what a GPU sends);
+  * the data-parallel collectives again on the 16-bit wire (`16-bit wire` columns): for
+    XLA FSDP from the program its SPMD partitioner wrote, before XLA:CPU widens the
+    16-bit ones to float32 (`comm_ledger(..., partitioned=True)`: what a GPU compilation
+    sends); for our engines the same as above (their 16-bit values cross as raw bits).
+
+XLA FSDP + TP is `zeropp_jax.baselines` as MaxText shards: each weight split over `model`
+where annotated and over the data-parallel axes on its model-width dimension, the
+activations pinned to the batch at each block's entry and exit.
 
 Modelled (`step_bytes`, NCCL rings): the same three engines on 24 nodes x 16 devices with
 TP = 1, 2, 4, 8, 16, for GPT-3 1.3B (one 2048-token sequence per data-parallel rank). The
@@ -195,6 +203,10 @@ def measure(engine: str, k: int, gpt: GPTConfig | None = None, batch: int | None
         # ones, the rest (some over all three axes) its data-parallel ones.
         dp = [r for r in compiled.records if r.axes != ("model",)]
         dp_ledger = compiled
+        # The same at the width XLA's partitioner gives them, before XLA:CPU widens its
+        # 16-bit collectives to float32: the wire a GPU compilation sends.
+        wire = zpp.comm_ledger(step, state, tokens, param_count=count, partitioned=True)
+        dp_wire = [r for r in wire.records if r.axes != ("model",)]
     else:
         config = zpp.ZeroPPConfig.zero3() if engine == "zero3" else zpp.ZeroPPConfig()
         state = zpp.TrainState.abstract(
@@ -204,15 +216,19 @@ def measure(engine: str, k: int, gpt: GPTConfig | None = None, batch: int | None
         dp_ledger = zpp.comm_ledger(step, state, tokens, param_count=count)
         dp = list(dp_ledger.records)
         compiled = zpp.comm_ledger(step, state, tokens, param_count=count, compiled=True)
+        wire, dp_wire = dp_ledger, dp  # the engines' 16-bit values cross as raw bits
     tp = [r for r in compiled.records if r.axes == ("model",)]
     mixed = [r for r in compiled.records if "model" in r.axes and r not in tp]
     if engine != "xla_fsdp" and (mixed or any(r.cross_node for r in tp)):
         raise RuntimeError(f"a collective over `model` leaves the node: {(mixed or tp)[0]}")
     per_node = dp_ledger.node_link_bytes(dp)
+    per_node_wire = wire.node_link_bytes(dp_wire)
     return {
         "dp_device": sum(r.bytes_sent for r in dp),
         "tp_device": sum(r.bytes_sent for r in tp),
         "link": float(per_node.max()) if per_node.size else 0.0,
+        "dp_device_wire": sum(r.bytes_sent for r in dp_wire),
+        "link_wire": float(per_node_wire.max()) if per_node_wire.size else 0.0,
         "params": count,
     }
 
@@ -250,6 +266,8 @@ def measured_rows(ks: tuple[int, ...] = (1, 2, 4)) -> list[dict]:
                     "dp_per_device_M": round(got["dp_device"] / m, 4),
                     "tp_per_device_M": round(got["tp_device"] / m, 4),
                     "link_M": round(got["link"] / m, 4),
+                    "dp_per_device_16bit_M": round(got["dp_device_wire"] / m, 4),
+                    "link_16bit_M": round(got["link_wire"] / m, 4),
                     "model_link_M": round(model.link / m, 4),
                     "model_tp_per_device_M": round(model.tp_device / m, 4),
                     "seconds": round(time.time() - t0, 1),
@@ -294,15 +312,16 @@ def modelled_rows(ks: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[dict]:
 def _table(rows: list[dict], measured: bool) -> str:
     head = ["TP", "DP ranks", "engine", "DP per device (M)", "TP per device (M)", "per link (M)"]
     if measured:
+        head += ["DP per device, 16-bit wire (M)", "per link, 16-bit wire (M)"]
         head += ["per link, model (M)"]
     body = []
     for r in rows:
         cells = [r["tp"], r["dp_ranks"], LABELS[r["engine"]], r["dp_per_device_M"]]
         cells += [r["tp_per_device_M"], r["link_M"]]
         if measured:
-            cells += [r["model_link_M"]]
+            cells += [r["dp_per_device_16bit_M"], r["link_16bit_M"], r["model_link_M"]]
         body.append(cells)
-    return _common.markdown_table(head, body, "rrlrrr" + ("r" if measured else ""))
+    return _common.markdown_table(head, body, "rrlrrr" + ("rrr" if measured else ""))
 
 
 def _ratios(rows: list[dict]) -> str:
@@ -311,7 +330,17 @@ def _ratios(rows: list[dict]) -> str:
     for k in sorted({r["tp"] for r in rows}):
         z3, zpp_ = by[(k, "zero3")]["link_M"], by[(k, "zeropp")]["link_M"]
         parts.append(f"TP {k}: {z3 / zpp_:.2f}x")
-    return "ZeRO-3 / ZeRO++ per node link: " + ", ".join(parts) + "."
+    text = "ZeRO-3 / ZeRO++ per node link: " + ", ".join(parts) + "."
+    if "link_16bit_M" in rows[0]:
+        parts = []
+        for k in sorted({r["tp"] for r in rows}):
+            xla, zpp_ = by[(k, "xla_fsdp")], by[(k, "zeropp")]
+            parts.append(
+                f"TP {k}: {xla['link_16bit_M'] / zpp_['link_16bit_M']:.2f}x "
+                f"({xla['link_M'] / zpp_['link_M']:.2f}x as XLA:CPU compiled)"
+            )
+        text += " XLA FSDP / ZeRO++ per node link, 16-bit wire: " + ", ".join(parts) + "."
+    return text
 
 
 def plot(measured: list[dict], modelled: list[dict], path: pathlib.Path) -> None:

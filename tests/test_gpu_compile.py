@@ -1,16 +1,18 @@
-"""Reading GPU programs compiled without a GPU (`experiments/gpu_compile.py`).
+"""Reading GPU programs compiled without a GPU (`experiments/gpu_compile.py`, which
+compiles them, and `experiments/gpu_program.py`, which reads them and keeps the table).
 
 Two kinds of tests:
 
 * on saved programs (`tests/data/gpu_*.hlo.gz`: the trainer GPT's ZeRO++ and XLA FSDP
   steps compiled for 2 x 4 H200s with the flags of `docs/gpu_cluster.md`, cut by
-  `gpu_compile.minimal_hlo`) and on a hand-written scheduled module: what
+  `gpu_program.minimal_hlo`) and on a hand-written scheduled module: what
   `hlo_text.scheduled_collectives` reads, and that the saved programs keep what the
   results table claims. These run everywhere.
 * compiling for the GPU, which needs the CUDA plugin (`jax-cuda12-plugin[with-cuda]`,
   not installed by `.ci/run`): skipped where it is missing.
 """
 
+import argparse
 import gzip
 import importlib.util
 import pathlib
@@ -23,6 +25,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
 
 import gpu_compile  # noqa: E402
+import gpu_program  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
 from zeropp_jax import hlo_text  # noqa: E402
@@ -108,7 +111,7 @@ def test_scheduled_collectives_refuse_a_start_without_its_done():
 
 def test_minimal_hlo_keeps_the_schedule_and_drops_the_rest():
     text = SCHEDULED + '\nFileNames\n1 "model.py"\n'
-    cut = gpu_compile.minimal_hlo(text)
+    cut = gpu_program.minimal_hlo(text)
     assert "%fused_dot (" not in cut and "FileNames" not in cut
     assert "%rs_computation (" in cut  # an async computation, not a fusion's
     read = hlo_text.scheduled_collectives(hlo_text.parse_hlo_module(cut))
@@ -179,9 +182,9 @@ def test_zeropp_on_h200s_sends_what_the_ledger_says(zeropp_program):
     asked = zpp.comm_ledger(zpp.shard(train_step), state, batch, links="nccl")
     text = gzip.decompress((DATA / "gpu_zeropp_gpt_2x4_docs.hlo.gz").read_bytes()).decode()
     gpu = zpp.comm_ledger(
-        gpu_compile.Precompiled(_Text(text)), state, batch, compiled=True, links="nccl"
+        gpu_program.Precompiled(_Text(text)), state, batch, compiled=True, links="nccl"
     )
-    assert gpu_compile.same_bytes(gpu, asked)
+    assert gpu_program.same_bytes(gpu, asked)
     node_hop = {r.dtype for r in gpu.records if r.op == "all-to-all" and r.axes == ("node",)}
     assert node_hop == {"uint8", "float32"}
     assert gpu.link_bytes == pytest.approx(asked.link_bytes, rel=1e-3)
@@ -208,6 +211,36 @@ def test_xla_fsdp_on_h200s_gathers_its_weight_matrices_in_bfloat16():
                 dims = shape[shape.index("[") + 1 : shape.index("]")].split(",")
                 if sum(int(d) > 1 for d in dims if d) >= 2:
                     assert dtype == "bfloat16", (g.name, shape)
+
+
+def test_rows_are_picked_one_by_one_and_merged_per_gpu():
+    """`--rows` names single rows; a row compiled for the H100 sits beside the H200's of the
+    same key, and rows written before the `gpu` column count as the H200's."""
+    args = argparse.Namespace(rows="ZeRO++/gpt/2x8/docs,ZeRO++/gpt/2x8/none")
+    assert gpu_compile.selected(args) == [("2x8", "gpt", "ZeRO++", ["docs", "none"])]
+    with pytest.raises(SystemExit, match="not engine/model/mesh/flags"):
+        gpu_compile.selected(argparse.Namespace(rows="ZeRO++/gpt/2x8"))
+    options = gpu_compile.compiler_options("docs+xla_gpu_x=2+xla_gpu_y=false", 1000)
+    assert options["xla_gpu_x"] == 2 and options["xla_gpu_y"] is False
+    assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 1000
+    assert gpu_compile.compiler_options("none", 1000) == {}
+    with pytest.raises(SystemExit, match="is not 'xla_<name>=<value>'"):
+        gpu_compile.compiler_options("docs+overlap", 1000)
+    row = {"engine": "ZeRO++", "model": "gpt", "mesh": "2x4", "flags": "docs"}
+    old = [{**row, "gathers": "18"}]  # no gpu column
+    new = [{**row, "gpu": "h100", "gathers": "17"}, {**row, "gpu": "h200", "gathers": "19"}]
+    got = gpu_program.merged(old, new)
+    assert [(r["gpu"], r["gathers"]) for r in got] == [("h200", "19"), ("h100", "17")]
+
+
+def test_goals_read_the_loops_of_a_row():
+    row = {"engine": "ZeRO++", "model": "gpt", "mesh": "2x8", "flags": "docs", "gpu": "h200"}
+    met = {**row, "gathers_by_place": "bwd 2/2/4; bwd loop 2/2/2; fwd loop 5/4/5"}
+    missed = {**row, "gathers_by_place": "bwd loop 2/1/2; fwd loop 4/4/4"}
+    lines = gpu_program.goals([met, missed]).splitlines()
+    assert ": met; fwd loop: 5 of 5 asynchronous, 4 overlapped" in lines[0]
+    assert "outside the loops (not part of the goal): 2 of 4 overlapped" in lines[0]
+    assert ": NOT met; " in lines[1]  # 1 of the backward loop's 2 overlapped: 50%
 
 
 # ----------------------------------------------------------- with the CUDA plugin only

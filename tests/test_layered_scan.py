@@ -12,6 +12,7 @@ import pytest
 from flax.training import train_state
 
 import zeropp_jax as zpp
+from zeropp_jax import placement
 from zeropp_jax.quant import qmax
 
 EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
@@ -243,3 +244,70 @@ def test_zeropp_defaults_on_a_relaid_stack_stay_within_the_quantizer_bound():
         assert np.max(np.abs(seen[name] - w)) <= bound, name
         grad = w - np.asarray(got[name], np.float64)
         assert np.max(np.abs(grad - 1.0)) <= hop1 + hop2 + 1e-5, name
+
+
+# ----------------------------------------------------------------------------- weight deltas
+
+
+def test_weight_deltas_gather_each_layer_from_the_reference(monkeypatch):
+    """int4 weight deltas on a scanned model: each layer is gathered over `local` from its
+    slice of the kept reference (the cross-node delta hop runs once per leaf, in
+    `apply_gradients`), forward and backward, instead of the whole stack before the loop.
+    Against the whole-gather route (the scan left to XLA), with the reference's stage 2
+    and the gradients unquantized: both gather the same values and reduce the same sums,
+    so the three steps, references included, agree to float summation order (the two
+    programs' backward sums differ in order: about 1 ulp, not bitwise equal). The
+    per-layer route holds less than the whole stacks in its temporaries."""
+    config = zpp.ZeroPPConfig(
+        weight_delta_bits=4, weight_block_size=32, weight_local_bits=None, **EXACT
+    )
+    model = stack("none")
+    params = model.init(jax.random.key(0), data(0)["x"])["params"]
+    mesh = zpp.make_mesh(2, 4)
+    runs = {}
+    for route in ("layered", "whole"):
+        if route == "whole":
+            monkeypatch.setattr(placement, "_place_scan", lambda *args: None)
+        state = zpp.TrainState.create(
+            apply_fn=model.apply, params=params, tx=TX, mesh=mesh, config=config
+        )
+        step = zpp.shard(train_step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ledger = zpp.comm_ledger(step, state, data(0))
+            compiled = step.lower(state, data(0)).compile()
+        whole = [w for w in caught if "gathered whole" in str(w.message)]
+        assert bool(whole) == (route == "whole"), [str(w.message) for w in caught]
+        losses = []
+        for t in range(3):
+            state, metrics = compiled(state, data(t))
+            losses.append(float(metrics["loss"]))
+        runs[route] = (ledger, compiled.memory_analysis().temp_size_in_bytes, state, losses)
+    (ledger, temp, state, losses), (whole_ledger, whole_temp, whole_state, whole_losses) = (
+        runs.values()
+    )
+    np.testing.assert_allclose(losses, whole_losses, rtol=1e-6)
+    for a, b in zip(
+        jax.tree_util.tree_leaves((zpp.gather_params(state), state.weight_ref)),
+        jax.tree_util.tree_leaves((zpp.gather_params(whole_state), whole_state.weight_ref)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # Per stacked leaf (two (WIDTH, 2 WIDTH) matrices): one int4 delta hop across nodes
+    # (values and scales), then each layer gathered over `local` in the forward and again
+    # in the backward (hpZ from the reference), LAYERS times; nothing whole.
+    layer = WIDTH * 2 * WIDTH * 4
+    count = {}
+    for r in ledger.records:
+        assert placement.WHOLE_SCOPE not in r.op_name, r
+        if r.op == "all-gather":
+            key = (r.phase, r.axes, r.out_bytes)
+            count[key] = count.get(key, 0) + r.trip_count
+    node = {k: n for k, n in count.items() if k[1] == ("node",)}
+    assert sum(node.values()) == 2 * 2, ledger.to_markdown()
+    assert count[("forward", ("local",), layer)] == 2 * LAYERS, ledger.to_markdown()
+    assert count[("backward", ("local",), layer)] == 2 * LAYERS, ledger.to_markdown()
+    whole_gathers = [r for r in whole_ledger.records if placement.WHOLE_SCOPE in r.op_name]
+    assert {r.out_bytes for r in whole_gathers if r.op == "all-gather"} == {LAYERS * layer}
+    # The whole route holds both stacks gathered; the layered one about a layer of each.
+    assert whole_temp - temp >= (LAYERS - 1) * 2 * layer, (temp, whole_temp)

@@ -1,7 +1,8 @@
 """Parameters as users write them: any pytree of arrays. An Equinox model (blocks stacked
 with `eqx.filter_vmap`, run with `lax.scan`, a tied head; parameters from `eqx.partition`)
 and a NamedTuple holding a dataclass train exactly as on one device, and the stacked
-weights are gathered per layer."""
+weights are gathered per layer; under ZeRO++'s defaults an Equinox stack stays within the
+quantizer's bound."""
 
 import dataclasses
 import typing
@@ -16,6 +17,7 @@ import pytest
 
 import zeropp_jax as zpp
 from zeropp_jax import baselines, placement
+from zeropp_jax.quant import qmax
 
 EXACT = zpp.ZeroPPConfig(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
 VOCAB, WIDTH, HIDDEN, LAYERS, SEQ = 32, 16, 24, 3, 8
@@ -185,3 +187,58 @@ def test_a_function_is_not_taken_for_parameters(params, match):
         zpp.TrainState.create(
             apply_fn=lambda v, x: x, params=params, tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4)
         )
+
+
+class Probe(eqx.Module):
+    """Equinox layers stacked with `eqx.filter_vmap` and run by `lax.scan`, each emitting
+    what it saw of its weight: with the identity as the batch, `x @ W.T` is `W.T`."""
+
+    layers: eqx.nn.Linear  # stacked: weight (LAYERS, WIDTH, WIDTH)
+
+    def __init__(self, key):
+        make = lambda k: eqx.nn.Linear(WIDTH, WIDTH, use_bias=False, key=k)  # noqa: E731
+        self.layers = eqx.filter_vmap(make)(jax.random.split(key, LAYERS))
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def layer(_, weights):
+            return None, x @ eqx.combine(weights, static).weight.T
+
+        return jnp.moveaxis(jax.lax.scan(layer, None, dynamic)[1], 0, 1)  # (batch, LAYERS, WIDTH)
+
+
+def test_zeropp_defaults_on_an_equinox_stack_stay_within_the_quantizer_bound():
+    """ZeRO++'s int8 weight gathers (per layer, inside the loop) and int4 two-hop gradients
+    on an Equinox stack: each layer's weight as the model saw it is within half a step of
+    the largest block, and the gradient of the output's sum (1 everywhere) within two
+    hops' half steps of every contribution."""
+    params, static = eqx.partition(Probe(jax.random.key(3)), eqx.is_array)
+
+    def apply(variables, x):
+        return eqx.combine(variables["params"], static)(x)
+
+    def step(state, x):
+        out = state.apply_fn({"params": state.params}, x)
+        grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, x)))(state.params)
+        return state.apply_gradients(grads=grads), {"out": out}
+
+    config = zpp.ZeroPPConfig(compute_dtype=jnp.float32)
+    state = zpp.TrainState.create(
+        apply_fn=apply, params=params, tx=optax.sgd(1.0), mesh=zpp.make_mesh(2, 4), config=config
+    )
+    x = np.eye(WIDTH, dtype=np.float32)  # WIDTH rows, 2 per device
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no whole-leaf gather
+        new, m = zpp.shard(step)(state, x)
+    w = np.asarray(params.layers.weight, np.float64)
+    seen = np.transpose(np.asarray(m["out"], np.float64), (1, 2, 0))  # (LAYERS, WIDTH, WIDTH)
+    assert np.max(np.abs(seen - w)) <= np.max(np.abs(w)) / qmax(8) / 2 * (1 + 2.0**-15) + 1e-7
+    # Each device contributes its 2 rows' entries (0 or 1) to each gradient entry; hop 1
+    # quantizes each of a node's 4 contributions (half a step of at most 1 / q each), hop
+    # 2 each node's partial sum (at most 1 plus its hop-1 error).
+    q4 = qmax(4) / (1 + 2.0**-15)
+    hop1 = 4 * (1.0 / q4) / 2
+    hop2 = 2 * ((1.0 + hop1) / q4) / 2
+    grad = w - np.asarray(zpp.gather_params(new).layers.weight, np.float64)
+    assert np.max(np.abs(grad - 1.0)) <= hop1 + hop2 + 1e-5

@@ -99,10 +99,12 @@ def test_a_model_group_never_spans_hosts():
 class Annotated(nn.Module):
     names: tuple
     features: int = 8
+    logical: bool = False  # `names` are flax logical names (resolved by axis rules)
 
     @nn.compact
     def __call__(self, x):
-        init = nn.with_partitioning(nn.initializers.lecun_normal(), self.names)
+        boxed = nn.with_logical_partitioning if self.logical else nn.with_partitioning
+        init = boxed(nn.initializers.lecun_normal(), self.names)
         return nn.Dense(self.features, kernel_init=init, use_bias=False)(x)
 
 
@@ -236,15 +238,20 @@ def test_model_size_one_trains_and_communicates_as_the_two_axis_mesh():
     assert max_rel_err(p3, p2) == 0.0
 
 
-def test_zeropp_formats_with_tensor_parallelism_stay_within_the_quantizer_bound():
-    """int8 weight gathers (hpZ) and int4 two-hop gradients on a column-parallel weight:
-    the weight the model sees is within half a step of the largest block, and the
-    gradient within two hops' half steps of every contribution."""
+@pytest.mark.parametrize("logical", [False, True], ids=["mesh-names", "logical-names"])
+def test_zeropp_formats_with_tensor_parallelism_stay_within_the_quantizer_bound(logical):
+    """int8 weight gathers (hpZ) and int4 two-hop gradients on a column-parallel weight,
+    annotated with the mesh's names or with logical names under `RULES`: the weight the
+    model sees is within half a step of the largest block, and the gradient within two
+    hops' half steps of every contribution."""
     mesh = zpp.make_mesh(2, 2, model_size=2)
     config = zpp.ZeroPPConfig(compute_dtype=jnp.float32, weight_block_size=8, grad_block_size=8)
-    model = Annotated((None, "model"), 16)
+    names = ("embed", "mlp") if logical else (None, "model")
+    model = Annotated(names, 16, logical=logical)
     x = np.tile(np.eye(8, dtype=np.float32), (2, 1))  # 16 rows: the weight's rows, twice
-    state = create(model, mesh, x, config, tx=optax.sgd(1.0))
+    with nn.logical_axis_rules(RULES if logical else ()):
+        state = create(model, mesh, x, config, tx=optax.sgd(1.0))
+    assert state.params["Dense_0"]["kernel"].sharding.spec == P_TP
     w = np.asarray(zpp.gather_params(state)["Dense_0"]["kernel"], np.float64)
 
     def step(state, batch):
@@ -266,6 +273,48 @@ def test_zeropp_formats_with_tensor_parallelism_stay_within_the_quantizer_bound(
     hop2 = 2 * ((2.0 + 2 / (2 * q)) / q) / 2
     bound = hop1 + hop2 + 1e-5
     assert np.max(np.abs(grad - exact)) <= bound
+
+
+class TwoColumnSplit(nn.Module):
+    """Two column-split kernels: `once` read once (its cotangent reduced at that use), and
+    `twice` read twice (gathered whole once, its summed cotangent reduced by the shared
+    gather)."""
+
+    @nn.compact
+    def __call__(self, x):
+        once = self.param("once", COLUMN, (x.shape[1], 16))
+        twice = self.param("twice", COLUMN, (x.shape[1], 16))
+        return x @ once + x @ twice + (2 * x) @ twice
+
+
+def test_model_ranks_round_their_gradient_slices_with_different_noise():
+    """With stochastic rounding and K = 2, the engine folds each `model` rank into the
+    rounding key (`collectives.model_rank_key`), at a single use and at a shared gather:
+    the loss `sum((x @ W) * c)` with `c`'s two halves equal gives the two ranks' slices
+    equal gradients before rounding, which one key would round alike."""
+    mesh = zpp.make_mesh(2, 2, model_size=2)
+    config = zpp.ZeroPPConfig(
+        weight_bits=None, grad_bits=4, grad_block_size=8, stochastic_rounding=True,
+        compute_dtype=jnp.float32,
+    )  # fmt: skip
+    rs = np.random.RandomState(0)
+    x = rs.randn(16, 8).astype(np.float32)
+    c = np.tile(rs.randn(8).astype(np.float32), 2)
+    state = create(TwoColumnSplit(), mesh, x, config, tx=optax.sgd(1.0))
+
+    def step(state, batch):
+        loss = lambda p: jnp.sum(state.apply_fn({"params": p}, batch["x"]) * c)  # noqa: E731
+        return state.apply_gradients(grads=jax.grad(loss)(state.params)), {}
+
+    before = zpp.gather_params(state)
+    after = zpp.gather_params(zpp.shard(step)(state, {"x": x})[0])
+    for name, uses in (("once", 1), ("twice", 3)):
+        grad = np.asarray(before[name], np.float64) - np.asarray(after[name], np.float64)
+        exact = uses * np.outer(x.sum(0), c)  # the two halves equal
+        step_size = np.max(np.abs(exact)) / qmax(4)
+        assert np.max(np.abs(grad - exact)) <= 4 * step_size  # rounded, not garbage
+        # The two ranks' slices: apart by whole rounding steps somewhere, not by float noise.
+        assert np.max(np.abs(grad[:, :8] - grad[:, 8:])) > step_size / 4, name
 
 
 # ----------------------------------------------------------------------------- the GPT

@@ -22,7 +22,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from zeropp_jax import collectives, placement, tensor_parallel, weight_gather
+from zeropp_jax import collectives, dataflow, delta, placement, tensor_parallel, weight_gather
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax.choices import gather_spec, resolve_codec, rounding_key
@@ -148,7 +148,7 @@ def make_island_apply(
                 spec=spec,
                 num_devices=data_parallel_size(mesh),
                 check_vma=check_vma,
-                layered=not delta_on and config.error_feedback is None,
+                layered=config.error_feedback is None,
                 keys=tuple(
                     rounding_key(config, step, i) if step is not None and lo.sharded else None
                     for i, lo in enumerate(leaf_layouts)
@@ -279,8 +279,8 @@ class LeafGathers:
       num_devices: data-parallel devices of the mesh (`node` x `local`).
       check_vma: whether the island checks varying axes (tensor-parallel leaves run their
         collectives in a nested shard_map over `model` that checks alike).
-      layered: whether scans may gather per layer (not with weight deltas or error
-        feedback, whose references and residuals are kept per leaf).
+      layered: whether scans may gather per layer (not with error feedback, whose
+        residuals are kept per leaf).
       keys: per leaf, its stochastic-rounding key or None (traced).
       refs: per leaf, its weight-delta reference or None (traced).
       res: per leaf, its error-feedback residuals or `()` (traced).
@@ -308,6 +308,15 @@ class LeafGathers:
     def residuals(self, leaf: int) -> Any:
         return self.res[leaf]
 
+    def layer_fixed(self, leaf: int, fixed: Any, layer: jax.Array) -> Any:
+        key, ref = fixed
+        if ref is None:
+            return fixed
+        return key, delta.layer_reference(ref, self.layouts[leaf].lead, layer)
+
+    def has_reference(self, leaf: int) -> bool:
+        return self.refs[leaf] is not None
+
     def _per_rank(self, leaf: int, fn: Any, split: tuple, shared: tuple) -> Any:
         """`fn(*split, *shared)`, once per `model` rank for a tensor-parallel leaf (its
         pieces carry the `model` slices on axis 0)."""
@@ -325,7 +334,8 @@ class LeafGathers:
             fn = lambda p: weight_gather.secondary_wire(p, self.spec, named=False)  # noqa: E731
             wire = self._per_rank(leaf, fn, (piece,), ())
             return tuple(checkpoint_name(w, weight_gather.SECONDARY_NAME) for w in wire)
-        return weight_gather.reference_wire(piece, ref, self.spec)
+        # Read once the piece exists (ordered like the gathers that read the shard).
+        return weight_gather.reference_wire(piece, dataflow.tie(piece, ref), self.spec)
 
     def gather(
         self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, alternate: bool

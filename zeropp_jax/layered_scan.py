@@ -44,6 +44,9 @@ class Loop:
       lazy_pos: positions in `xs` of the stacked weights.
       plain_pos: positions in `xs` of the other operands.
       lookahead: 1 to gather one layer ahead of the one that computes, else 0.
+      stored_layers: per stacked weight, the layer of the stored leaf (its axis 0) each
+        iteration reads, or None when iteration i reads layer i (what `layer_fixed`
+        cuts a weight-delta reference by).
     """
 
     gathers: dataflow.Gathers
@@ -56,6 +59,7 @@ class Loop:
     lazy_pos: tuple[int, ...]
     plain_pos: tuple[int, ...]
     lookahead: int
+    stored_layers: tuple[tuple[int, ...] | None, ...] = ()
 
     def weights(self, flats: list[jax.Array]) -> list[jax.Array]:
         """One layer's gathered flats -> the weights the body reads."""
@@ -72,6 +76,21 @@ class Loop:
         for i, w in zip(self.lazy_pos, weights, strict=True):
             out[i] = w
         return out
+
+    def fixed_at(self, fixed: list[Any], i: Any) -> list[Any]:
+        """Per stacked weight, what its gather of iteration `i`'s layer reads beside the
+        piece (`Gathers.layer_fixed` of the layer that iteration reads)."""
+        out = []
+        for k, (leaf, f) in enumerate(zip(self.leaves, fixed, strict=True)):
+            ids = self.stored_layers[k] if self.stored_layers else None
+            layer = i if ids is None else jnp.asarray(ids, jnp.int32)[i]
+            out.append(self.gathers.layer_fixed(leaf, f, layer))
+        return out
+
+    def rewired(self) -> list[bool]:
+        """Per stacked weight, whether its wire is computed again in the backward loop (read
+        from a kept weight-delta reference, no communication) rather than kept."""
+        return [self.gathers.has_reference(leaf) for leaf in self.leaves]
 
     def kept_whole(self) -> list[bool]:
         """Per stacked weight, whether its gathered layer is kept for the backward loop
@@ -146,6 +165,7 @@ def run(
     """
     g = loop.gathers
     whole = loop.kept_whole()
+    rewire = loop.rewired()
     split = _Split.of(loop)
     # How one layer's kept VJP flattens (its treedef and leaf dtypes), set when the forward
     # is traced and read when the backward is.
@@ -154,6 +174,7 @@ def run(
     def fetch(shards, fixed, i, after):
         """Layer i's `(flats, wires)`, gathered once `after` exists."""
         pieces = dataflow.tie(after, _take(shards, i))
+        fixed = loop.fixed_at(fixed, i)
         wires = [g.wire(leaf, p, f) for leaf, p, f in zip(loop.leaves, pieces, fixed, strict=True)]
         flats = [
             g.gather(leaf, p, w, f, False)
@@ -164,7 +185,8 @@ def run(
     def forward(shards, consts, init, plain, fixed, tie, save):
         """`(carry, ys, saved)`; with `save`, `saved` holds per layer (stacked) what its
         backward reads: the VJP of the layer without its weights, and the wires (or, for
-        `whole` weights, the gathered layer) to re-gather them from."""
+        `whole` weights, the gathered layer; nothing for `rewire` ones) to re-gather
+        them from."""
 
         def compute(i, c, fetched):
             flats, wires = fetched
@@ -176,7 +198,10 @@ def run(
             (new_c, y), vjp = split.vjp(loop.weights(flats), consts, c, x_plain)
             leaves, traced["tree"] = jax.tree_util.tree_flatten(vjp)
             traced["dtypes"] = [jnp.result_type(x) for x in leaves]
-            kept = [f if keep else w for f, w, keep in zip(flats, wires, whole, strict=True)]
+            kept = [
+                f if keep else () if again else w
+                for f, w, keep, again in zip(flats, wires, whole, rewire, strict=True)
+            ]
             return new_c, (y, (_to_bits(leaves), kept))
 
         fetch_ = lambda i, after: fetch(shards, fixed, i, after)  # noqa: E731
@@ -194,10 +219,17 @@ def run(
 
         def fetch_back(i, after):
             kept_i, pieces = dataflow.tie(after, (_take(kept, i), _take(shards, i)))
+            fixed_i = loop.fixed_at(fixed, i)
+            kept_i = [
+                g.wire(leaf, p, f) if again else w
+                for leaf, p, w, f, again in zip(
+                    loop.leaves, pieces, kept_i, fixed_i, rewire, strict=True
+                )
+            ]
             return [
                 w if keep else g.gather(leaf, p, w, f, True)
                 for leaf, p, w, f, keep in zip(
-                    loop.leaves, pieces, kept_i, fixed, whole, strict=True
+                    loop.leaves, pieces, kept_i, fixed_i, whole, strict=True
                 )
             ]
 

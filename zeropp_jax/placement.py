@@ -472,7 +472,8 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
         if not lo.stacked:
             # Per-layer vectors (biases, norm scales) are small: gathered whole, before the loop.
             xs[i] = _materialize(ctx, x, None)
-        elif view.axis != 0 and lo.tensor_parallel:
+        elif view.axis != 0 and (lo.tensor_parallel or g.has_reference(x.leaf)):
+            # Re-laid out, a layer's reference would need the same all-to-all.
             return None
         else:
             matrices.append(i)
@@ -484,7 +485,7 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
     tie = dataflow.first_array(init) if ctx.tie is None or not ctx.prefetch else ctx.tie
     first = dataflow.first_array(init)
     ctx.tie = ctx.tie if first is None else first
-    layouts, stacks = [], []
+    layouts, stacks, stored = [], [], []
     for i, view in zip(matrices, views, strict=True):
         lz, lo = xs[i], g.layout(xs[i].leaf)
         stack = lz.shard
@@ -494,6 +495,7 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
         layers = view.layers(length)
         if layers != list(range(lo.shape[0])):
             stack = stack[np.asarray(layers)]
+        stored.append(None if layers == list(range(length)) else tuple(layers))
         layouts.append(lo)
         stacks.append(stack)
     loop = layered_scan.Loop(
@@ -507,6 +509,7 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
         lazy_pos=tuple(matrices),
         plain_pos=tuple(plain_pos),
         lookahead=1 if ctx.prefetch else 0,
+        stored_layers=tuple(stored),
     )
     outs = layered_scan.run(
         loop,
