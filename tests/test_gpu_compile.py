@@ -103,6 +103,15 @@ def test_scheduled_collectives_read_what_runs_between_start_and_done():
     assert got[3].replica_groups == "{{0,1}}"
 
 
+def test_most_in_flight_counts_collectives_started_and_not_done():
+    module = hlo_text.parse_hlo_module(SCHEDULED)
+    assert gpu_program.most_in_flight(module, hlo_text.scheduled_collectives(module)) == 1
+    agd0 = "  %agd0 = s8[4,256]{1,0} all-gather-done(%ag0)\n"
+    agd1 = "  %agd1 = s8[4,256]{1,0} all-gather-done(%ag1)\n"
+    both = hlo_text.parse_hlo_module(SCHEDULED.replace(agd0, "").replace(agd1, agd1 + agd0))
+    assert gpu_program.most_in_flight(both, hlo_text.scheduled_collectives(both)) == 2
+
+
 def test_scheduled_collectives_refuse_a_start_without_its_done():
     text = SCHEDULED.replace("  %agd1 = s8[4,256]{1,0} all-gather-done(%ag1)\n", "")
     with pytest.raises(ValueError, match="'ag1' in 'main' has no 'all-gather-done'"):
