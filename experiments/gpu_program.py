@@ -321,6 +321,11 @@ def report(head: str, rows: list[dict], kernels: list[dict]) -> str:
         text += _common.markdown_table(list(kernels[0]), [list(r.values()) for r in kernels])
     text += "\n## The goals, read off the rows above\n\n" + goals(rows)
     text += "\n## Gathers with no compute between their start and their done\n\n"
+    text += (
+        "What holds each back (a leaf outside the scanned blocks, gathered at its use; one\n"
+        "collective in flight at a time, `max_in_flight`): `experiments/RESULTS.md`, section\n"
+        '"GPU programs compiled without a GPU".\n\n'
+    )
     for r in rows:
         if r["not_overlapped"]:
             text += f"- {', '.join(str(r[k]) for k in KEY)}: {r['not_overlapped']}\n"
