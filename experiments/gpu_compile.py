@@ -17,7 +17,7 @@ For each engine (the engine's ZeRO-3, ZeRO++ and ZeRO++ with int4 weight deltas,
 own FSDP, the GPT pinning its activations to the batch at every block boundary, as
 MaxText does), each model (the trainer's default GPT, scanned; the 1.3B preset, scanned, `--remat
 full`, one sequence of 2048 tokens per GPU) and each mesh, it compiles one training step
-from shapes alone, without XLA flags and with the flags `docs/gpu_cluster.md` recommends
+from shapes alone, without XLA flags and with the flags `docs/gpu_cluster.md` checked
 (`DOC_FLAGS`, passed as compiler options), and reads the compiled, scheduled HLO
 (`gpu_program.py`):
 
@@ -93,8 +93,10 @@ DOC_FLAGS: dict[str, Any] = {
     "xla_gpu_all_gather_combine_threshold_bytes": None,  # one layer's bytes (layer_bytes)
     "xla_gpu_reduce_scatter_combine_threshold_bytes": None,
 }
-"""The XLA flags `docs/gpu_cluster.md` recommends, as compiler options (the same names as
-`XLA_FLAGS` without the dashes). None: one layer's weights in bytes, per model."""
+"""The seven XLA flags `docs/gpu_cluster.md` checked (`--flags-study`), as compiler
+options (the `XLA_FLAGS` names without the dashes): the `docs` flag set of the table. The
+docs recommend those that change the compiled step and list the others as not needed.
+None: one layer's weights in bytes, per model."""
 
 
 def target_config(gpu: str) -> str:
