@@ -83,6 +83,21 @@ def _wall(run: pathlib.Path) -> dict[str, float]:
     return json.loads(path.read_text()) if path.exists() else {"train_s": 0.0, "parts": 0}
 
 
+def _val_curve(run: pathlib.Path) -> dict[int, float]:
+    """`{step: validation loss}` of the trainer's periodic evaluations (`metrics.jsonl`)."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+
+
+def _changed_files(a: str, b: str) -> list[str]:
+    """The files that differ between two commits of this checkout."""
+    from zeropp_jax.provenance import SOURCE
+
+    diff = ["git", "-C", str(SOURCE), "diff", "--name-only", a, b]
+    return subprocess.run(diff, capture_output=True, text=True, check=True).stdout.split()
+
+
 def _parts_code(run: pathlib.Path) -> list[dict]:
     """The provenance of every part of a (resumed) run, first part first."""
     record = json.loads((run / "run.json").read_text())
@@ -268,6 +283,28 @@ def main(argv: list[str] | None = None) -> int:
         if not mixed
         else f"This evaluation ran {describe(code)}; NOT the same code: " + "; ".join(mixed) + "."
     )
+    commits = {part["commit"] for runs_parts in parts.values() for part in runs_parts}
+    if mixed and len(commits) == 1 and None not in commits and code["commit"]:
+        (trained,) = commits
+        changed = _changed_files(trained, code["commit"]) + code["changed"]
+        code_line += (
+            f" The training's commit {trained[:7]} and this one differ in: "
+            + (", ".join(sorted(set(changed))) or "nothing")
+            + "."
+        )
+    curves = {name: _val_curve(out) for name, out in runs.items()}
+    curve_steps = sorted(set.intersection(*(set(c) for c in curves.values())))
+    curve = markdown_table(
+        ["step", *(f"{name} (bits/byte)" for name in variants)],
+        [
+            [
+                step,
+                *(f"{curves[n][step] / math.log(2) / variants[n][1]:.4f}" for n in variants),
+            ]
+            for step in curve_steps
+        ],
+        "r" * (1 + len(variants)),
+    )
     calls = f"python experiments/tokenizer_study.py --steps {args.steps} --vocab {args.vocab}"
     calls += " --evaluate-only" if args.evaluate_only else ""
     if any(r["train_parts"] > 1 for r in rows) or args.time_limit:
@@ -301,6 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         "as qwZ gathers it.",
         "",
         table,
+        "",
+        "The trainer's own validation passes (`--eval-every 100`, float weights, the same "
+        "8 batches; both runs on one schedule of "
+        f"{args.steps} steps, so a step has the same learning rate in both), where both "
+        "runs have one:",
+        "",
+        curve,
         "",
         "A sequence of 128 BPE tokens spans about "
         f"{rows[-1]['bytes_per_token'] * 128:.0f} bytes of text against 128 for bytes, and the "
