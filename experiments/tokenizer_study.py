@@ -307,10 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     calls = f"python experiments/tokenizer_study.py --steps {args.steps} --vocab {args.vocab}"
     calls += " --evaluate-only" if args.evaluate_only else ""
-    if any(r["train_parts"] > 1 for r in rows) or args.time_limit:
+    if args.work is not None:  # trained by earlier calls, perhaps in parts
         calls = (
             f"`python experiments/tokenizer_study.py --steps {args.steps} --vocab {args.vocab} "
-            "--work W --only bytes|bpe --time-limit M`, repeated until each run was done, "
+            "--work W --only bytes|bpe --time-limit M` (the parts are in the training column), "
             f"then `{calls} --work W`"
         )
     else:
