@@ -8,7 +8,10 @@ custom VJP: it keeps what the model's own remat keeps of each layer (everything 
 remat; what `nn.remat` / `jax.checkpoint`'s policy saves), minus the gathered weights and
 whatever is computed from them alone, which it re-gathers (hpZ: from the kept secondary
 shard, over `local` only) and recomputes; it reduces layer i's gradients inside the
-iteration. Shapes are per device.
+iteration. A leaf's per-leaf state is read per layer: with weight deltas each layer is
+gathered from its slice of the kept reference (read again in the backward, not kept),
+with error feedback its reduction reads and returns its slice of the residuals. Shapes
+are per device.
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ value (its per-device shard, not yet gathered):
   (one more reduction of the leaf per extra use, nothing full-size held);
 - a weight read inside a `cond` or `while`, or by a scan this module does not rebuild (a
   weight among its constants or carry, a chain that merges or broadcasts the layer axis,
-  a tensor-parallel leaf scanned over an axis other than 0), is gathered whole at that
-  point, with a warning naming the leaf.
+  a tensor-parallel, weight-delta or error-feedback leaf scanned over an axis other than 0,
+  an error-feedback leaf whose scan does not read every layer once), is gathered whole at
+  that point, with a warning naming the leaf.
 
 Order comes from data dependencies, not from the scheduler: `_barrier` ties each gather's
 input shard to an activation (the previous weight use's input, so the gather
