@@ -90,13 +90,21 @@ def say_written(paths: Sequence[pathlib.Path]) -> None:
 
 
 def worker_rows(cmd: Sequence[str], what: str) -> list[dict[str, Any]]:
-    """Runs a worker process `cmd` (without the caller's XLA_FLAGS, so that it asks for its
-    own devices) and returns the JSON rows it prints, one per line, echoing each. Raises
-    SystemExit with the end of its stderr if it fails; `what` names it in that message."""
+    """Runs a worker process `cmd` (with the caller's XLA_FLAGS less the device count, so
+    that it asks for its own devices) and returns the JSON rows it prints, one per line,
+    echoing each. Raises SystemExit with the end of its stderr if it fails; `what` names it
+    in that message."""
     import json
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    if flags:  # e.g. the tests' quick compiles (tests/conftest.py)
+        env["XLA_FLAGS"] = " ".join(flags)
     proc = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=6 * 3600)
     if proc.returncode:
         raise SystemExit(f"{what} failed:\n{proc.stderr[-3000:]}")

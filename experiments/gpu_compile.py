@@ -17,7 +17,7 @@ For each engine (the engine's ZeRO-3, ZeRO++ and ZeRO++ with int4 weight deltas,
 own FSDP, the GPT pinning its activations to the batch at every block boundary, as
 MaxText does), each model (the trainer's default GPT, scanned; the 1.3B preset, scanned, `--remat
 full`, one sequence of 2048 tokens per GPU) and each mesh, it compiles one training step
-from shapes alone, without XLA flags and with the flags `docs/gpu_cluster.md` recommends
+from shapes alone, without XLA flags and with the flags `docs/gpu_cluster.md` checked
 (`DOC_FLAGS`, passed as compiler options), and reads the compiled, scheduled HLO
 (`gpu_program.py`):
 
@@ -66,8 +66,10 @@ import _common  # noqa: E402
 from gpu_program import (  # noqa: E402
     ENGINES,
     FLAG_SETS,
+    HEAD,
     MESHES,
     MODELS,
+    SLUGS,
     Precompiled,
     merged,
     minimal_hlo,
@@ -75,11 +77,11 @@ from gpu_program import (  # noqa: E402
     read_rows,
     report,
     same_bytes,
+    with_in_flight,
     write_kernels,
 )
 
 TARGETS = pathlib.Path(__file__).resolve().parent / "gpu_targets"
-SLUGS = {"ZeRO-3": "zero3", "ZeRO++": "zeropp", "int4-delta": "int4_delta", "XLA FSDP": "xla_fsdp"}
 GB = 1e9
 
 DOC_FLAGS: dict[str, Any] = {
@@ -91,8 +93,10 @@ DOC_FLAGS: dict[str, Any] = {
     "xla_gpu_all_gather_combine_threshold_bytes": None,  # one layer's bytes (layer_bytes)
     "xla_gpu_reduce_scatter_combine_threshold_bytes": None,
 }
-"""The XLA flags `docs/gpu_cluster.md` recommends, as compiler options (the same names as
-`XLA_FLAGS` without the dashes). None: one layer's weights in bytes, per model."""
+"""The seven XLA flags `docs/gpu_cluster.md` checked (`--flags-study`), as compiler
+options (the `XLA_FLAGS` names without the dashes): the `docs` flag set of the table. The
+docs recommend those that change the compiled step and list the others as not needed.
+None: one layer's weights in bytes, per model."""
 
 
 def target_config(gpu: str) -> str:
@@ -290,6 +294,7 @@ def measure(
         ledger_link, as_ledger = "-", "-"
     return {
         **{k: program[k] for k in ("collectives", "async_collectives", "gathers")},
+        "max_in_flight": program["max_in_flight"],
         "overlapped_gathers": program["overlapped_gathers"],
         "wire_dtypes": program["wire_dtypes"],
         "temp_gb": round(need.temp / GB, 3),
@@ -433,38 +438,6 @@ def flags_study(gpu: str) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- main
 
-HEAD = """# GPU programs compiled without a GPU
-
-`python experiments/gpu_compile.py` (deviceless compilation for topologies of
-`nodes x 1 x GPUs per node` of the GPU in the `gpu` column, jax-cuda12-plugin {plugin}).
-
-The run that last wrote this file: {machine}. The rows come from several runs (`--rows`,
-`--merge`, `--rows-from`): each row's `code` column names the code that compiled it.
-
-Each row is one training step compiled by XLA's GPU compiler for that mesh of GPUs, read
-from the compiled, scheduled program. **These are schedules, not times:** an overlapped
-gather is one with at least one compute instruction (a fusion, a GEMM, a Triton call, a
-loop) scheduled between its start and its done, which the GPU is allowed to run while the
-gather is in flight; whether that hides the transfer depends on the real durations, which
-nothing here measures.
-
-Columns: `collectives` (instructions in the program; each loop body counted once),
-`async_collectives` (left asynchronous by XLA), `gathers` / `overlapped_gathers` (all-gathers,
-the weight gathers), `matmul_overlapped_gathers` (of those, with a matrix multiplication in
-between), `gathers_by_place` (per place: asynchronous / overlapped / gathers, `fwd loop`
-and `bwd loop` the scanned layers), `wire_dtypes` (op/mesh axes: dtypes sent; 4-bit values
-travel packed two per `uint8`), `bytes_as_ledger` (the compiled program sends per op, mesh
-axes and dtype, and through the node links, what the lowered step's ledger counts, to
-0.1%), `temp_gb` (XLA's temporaries
-per GPU), `total_gb` (arguments + temporaries + outputs not aliased, per GPU) against
-`estimate_gb` (`plan.estimate(..., platform="gpu")`; `estimate_cpu_gb` its CPU form, with
-float32 internals), `link_mb_ledger` / `link_mb_gpu`
-(MB per step through one node's link, each way: the lowered step's ledger, and the
-compiled GPU program read the same way with NCCL's ring order).
-
-"""
-
-
 FLAGS_HEAD = """# The XLA flags of docs/gpu_cluster.md, one at a time
 
 `python experiments/gpu_compile.py --flags-study`: the trainer GPT's ZeRO++ step compiled
@@ -506,6 +479,13 @@ def main(argv: list[str] | None = None) -> None:
         help="folder for the programs, cut to what is read (minimal_hlo), as <row>.hlo.gz",
     )
     p.add_argument("--merge", action="store_true", help="keep the other rows of the CSV")
+    p.add_argument(
+        "--hlo-from",
+        type=pathlib.Path,
+        default=None,
+        help="with --rows-from: the --save-hlo folder of those runs, to read max_in_flight "
+        "off the saved programs for rows printed before it was a column",
+    )
     p.add_argument(
         "--rows-from",
         type=pathlib.Path,
@@ -553,6 +533,8 @@ def main(argv: list[str] | None = None) -> None:
         kernels = [ast.literal_eval(line) for line in lines if line.startswith("{'kernel'")]
         for gpu in dict.fromkeys(k["gpu"] for k in kernels):
             write_kernels(kernels_path, [k for k in kernels if k["gpu"] == gpu])
+        if args.hlo_from is not None:  # rows of runs before max_in_flight was a column
+            rows = [with_in_flight(args.hlo_from, row) for row in rows]
         for row in rows:  # rows of runs before the CPU form was a column
             if "estimate_cpu_gb" not in row:
                 nodes, local = (int(v) for v in row["mesh"].split("x"))

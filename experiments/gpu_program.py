@@ -28,6 +28,8 @@ MODELS = ("gpt", "1.3b")
 MESHES = ("2x4", "2x8")
 FLAG_SETS = ("none", "docs")
 """The rows' vocabulary, in the table's order."""
+SLUGS = {"ZeRO-3": "zero3", "ZeRO++": "zeropp", "int4-delta": "int4_delta", "XLA FSDP": "xla_fsdp"}
+"""Each engine's name in the names of the saved programs (`--save-hlo`)."""
 
 
 _KEPT_OPS = ("while", "call", "conditional", "async-start", "async-done")
@@ -129,6 +131,26 @@ def same_bytes(gpu: Any, asked: Any) -> bool:
     return close and abs(gpu.link_bytes - asked.link_bytes) <= 1e-3 * max(asked.link_bytes, 1)
 
 
+def most_in_flight(module: Any, collectives: list) -> int:
+    """The most asynchronous collectives in flight at once at any point of the schedule
+    (started, not yet done), in any computation: XLA's GPU scheduler runs them on one
+    stream, so 1 means it never overlaps two collectives."""
+    starts = {(c.computation, c.name) for c in collectives if c.asynchronous}
+    best = 0
+    for comp, instructions in module.computations.items():
+        open_: dict[str, str] = {}  # the start, or an async-update of it -> the start
+        for ins in instructions:
+            if (comp, ins.name) in starts:
+                open_[ins.name] = ins.name
+            elif ins.operands and ins.operands[0] in open_:
+                if ins.opcode == "async-update":
+                    open_[ins.name] = open_.pop(ins.operands[0])
+                elif ins.opcode.endswith("-done"):
+                    open_.pop(ins.operands[0])
+            best = max(best, len(set(open_.values())))
+    return best
+
+
 def read_program(compiled: Any, mesh: Any) -> dict[str, Any]:
     """What the compiled step runs: collectives, their overlap, per loop."""
     from zeropp_jax import hlo_text
@@ -163,6 +185,7 @@ def read_program(compiled: Any, mesh: Any) -> dict[str, Any]:
     return {
         "collectives": len(collectives),
         "async_collectives": sum(c.asynchronous for c in collectives),
+        "max_in_flight": most_in_flight(module, collectives),
         "gathers": len(gathers),
         "overlapped_gathers": sum(g.overlapped for g in gathers),
         "matmul_overlapped_gathers": sum(g.overlapped and g.matmuls > 0 for g in gathers),
@@ -176,6 +199,69 @@ def read_program(compiled: Any, mesh: Any) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------ the table
 
+HEAD = """# GPU programs compiled without a GPU
+
+`python experiments/gpu_compile.py` (deviceless compilation for topologies of
+`nodes x 1 x GPUs per node` of the GPU in the `gpu` column, jax-cuda12-plugin {plugin}).
+
+The run that last wrote this file: {machine}. The rows come from several runs (`--rows`,
+`--merge`, `--rows-from`): each row's `code` column names the code that compiled it.
+
+Each row is one training step compiled by XLA's GPU compiler for that mesh of GPUs, read
+from the compiled, scheduled program. **These are schedules, not times:** an overlapped
+gather is one with at least one compute instruction (a fusion, a GEMM, a Triton call, a
+loop) scheduled between its start and its done, which the GPU is allowed to run while the
+gather is in flight; whether that hides the transfer depends on the real durations, which
+nothing here measures.
+
+Columns: `collectives` (instructions in the program; each loop body counted once),
+`async_collectives` (left asynchronous by XLA), `max_in_flight` (the most asynchronous
+collectives started and not yet done at any point of the schedule), `gathers` /
+`overlapped_gathers` (all-gathers, the weight gathers), `matmul_overlapped_gathers` (of
+those, with a matrix multiplication in between), `gathers_by_place` (per place:
+asynchronous / overlapped / gathers, `fwd loop` and `bwd loop` the scanned layers),
+`wire_dtypes` (op/mesh axes: dtypes sent; 4-bit values travel packed two per `uint8`),
+`bytes_as_ledger` (the compiled program sends per op, mesh axes and dtype, and through the
+node links, what the lowered step's ledger counts, to 0.1%), `temp_gb` (XLA's temporaries
+per GPU), `total_gb` (arguments + temporaries + outputs not aliased, per GPU) against
+`estimate_gb` (`plan.estimate(..., platform="gpu")`; `estimate_cpu_gb` its CPU form, with
+float32 internals), `link_mb_ledger` / `link_mb_gpu` (MB per step through one node's link,
+each way: the lowered step's ledger, and the compiled GPU program read the same way with
+NCCL's ring order), `code` (the commit that compiled the row).
+
+"""
+
+
+def saved_in_flight(folder: pathlib.Path, row: dict[str, Any]) -> int:
+    """`most_in_flight` of a row's program saved by `--save-hlo`."""
+    import gzip
+
+    from zeropp_jax import hlo_text
+
+    slug = "_".join((SLUGS[row["engine"]], row["model"], row["mesh"], row["flags"], row["gpu"]))
+    path = folder / f"{slug}.hlo.gz"
+    if not path.exists():
+        raise SystemExit(
+            f"gpu_compile: no saved program {path} for {slug}; expected the "
+            "--save-hlo folder of the run that printed the row."
+        )
+    module = hlo_text.parse_hlo_module(gzip.decompress(path.read_bytes()).decode())
+    return most_in_flight(module, hlo_text.scheduled_collectives(module))
+
+
+def with_in_flight(folder: pathlib.Path, row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with `max_in_flight` after `async_collectives`, read off its saved program
+    unless the row has it."""
+    if "max_in_flight" in row:
+        return row
+    out = {}
+    for key, value in row.items():
+        out[key] = value
+        if key == "async_collectives":
+            out["max_in_flight"] = saved_in_flight(folder, row)
+    return out
+
+
 KEY = ("engine", "model", "mesh", "flags", "gpu")
 
 
@@ -183,7 +269,7 @@ def write_kernels(path: pathlib.Path, new: list[dict[str, Any]]) -> None:
     """The kernel rows of `path` for the other GPUs, then `new` (one GPU's)."""
     gpus = {r["gpu"] for r in new}
     old = [r for r in read_rows(path) if r["gpu"] not in gpus] if path.exists() else []
-    _common.write_csv(path, old + new)
+    _common.write_csv(path, sorted(old + new, key=lambda r: r["gpu"] != "h200"))
 
 
 def read_rows(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -235,6 +321,11 @@ def report(head: str, rows: list[dict], kernels: list[dict]) -> str:
         text += _common.markdown_table(list(kernels[0]), [list(r.values()) for r in kernels])
     text += "\n## The goals, read off the rows above\n\n" + goals(rows)
     text += "\n## Gathers with no compute between their start and their done\n\n"
+    text += (
+        "What holds each back (a leaf outside the scanned blocks, gathered at its use; one\n"
+        "collective in flight at a time, `max_in_flight`): `experiments/RESULTS.md`, section\n"
+        '"GPU programs compiled without a GPU".\n\n'
+    )
     for r in rows:
         if r["not_overlapped"]:
             text += f"- {', '.join(str(r[k]) for k in KEY)}: {r['not_overlapped']}\n"

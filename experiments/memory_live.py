@@ -6,13 +6,14 @@ estimate is XLA's heap packing.
     python experiments/memory_live.py --quick       # tiny on 2 x 4 (seconds; for tests)
 
 Each row compiles the step `experiments/memory.py` compiles (`memory.measure`, the same
-engines and presets) in a worker whose only other XLA flags dump the compiled module's
-buffer assignment and live ranges (`--xla_dump_to`, text; they change nothing that is
-compiled). From the dump: `live_peak_GB` is the sum of the buffers XLA's live-range report
-lists at its peak, each byte counted once (values that share a buffer, as an in-place
-update and the loop carry it updates do, sit at the same offset of the same allocation:
-the report lists them both); `memory_analysis()`'s total is the heap XLA lays those
-buffers out in (its size decides what a device must hold), plus the arguments.
+engines and presets) in a worker whose only XLA flags beside the caller's (none from the
+command line) dump the compiled module's buffer assignment and live ranges
+(`--xla_dump_to`, text; they change nothing that is compiled). From the dump:
+`live_peak_GB` is the sum of the buffers XLA's live-range report lists at its peak, each
+byte counted once (values that share a buffer, as an in-place update and the loop carry it
+updates do, sit at the same offset of the same allocation: the report lists them both);
+`memory_analysis()`'s total is the heap XLA lays those buffers out in (its size decides
+what a device must hold), plus the arguments.
 
 Writes `memory_live_<mesh>.{md,csv}` into `--out` (default `experiments/results`).
 """
@@ -95,7 +96,8 @@ def _newest_module(dump: pathlib.Path, seen: set[str]) -> tuple[str, str]:
 def worker(argv: list[str]) -> None:
     """`--worker MESH SEQ DUMP ENGINES SIZE...`: one JSON row per size and engine."""
     mesh, seq, dump, engines, *sizes = argv
-    os.environ["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
+    flags = os.environ.get("XLA_FLAGS", "")  # the caller's, less the device count
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()
     import memory
 
     shape = memory._mesh_shape(mesh)

@@ -3,6 +3,13 @@
     nice -n 10 python experiments/tokenizer_study.py                  # 800 steps each
     python experiments/tokenizer_study.py --steps 4 --out /tmp/t      # smoke run
 
+In parts, one training run at a time, each part stopped after `--time-limit` minutes and
+continued by the next call (`--resume`), then the evaluation and the report:
+
+    python experiments/tokenizer_study.py --work W --only bytes --time-limit 24   # until done
+    python experiments/tokenizer_study.py --work W --only bpe --time-limit 24     # until done
+    python experiments/tokenizer_study.py --work W                                # the report
+
 On the built-in corpus (the standard library's `.py` files, 16 MB, the trainer's split):
 `zeropp-tokenize` learns a byte-level BPE of `--vocab` ids from the training split; then
 `zeropp-train` trains the `tiny` model (default flags: full ZeRO++ on a 2 x 4 mesh of
@@ -20,12 +27,15 @@ import argparse
 import json
 import math
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 from _common import RESULTS, machine_line, markdown_table, request_cpu_devices, write_csv
+
+from zeropp_jax.provenance import describe, provenance, same_code
 
 request_cpu_devices(8)  # what the trainer runs on (for the machine line)
 
@@ -51,11 +61,47 @@ def _sample(run: pathlib.Path, weights: str) -> tuple[dict[str, float], str]:
     return losses, "\n".join(out[2:-1])
 
 
+def _steps_saved(run: pathlib.Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
+
+
 def _latest_step(run: pathlib.Path) -> int:
-    steps = [int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")]
+    steps = _steps_saved(run)
     if not steps:
         raise RuntimeError(f"{run}: no checkpoint to evaluate")
-    return max(steps)
+    return steps[-1]
+
+
+def _finished(run: pathlib.Path, steps: int) -> bool:
+    done = run / "summary.json"
+    return done.exists() and json.loads(done.read_text())["steps"] == steps
+
+
+def _wall(run: pathlib.Path) -> dict[str, float]:
+    """`{"train_s": seconds, "parts": n}`: the wall time of this run's training calls."""
+    path = run / "study_wall.json"
+    return json.loads(path.read_text()) if path.exists() else {"train_s": 0.0, "parts": 0}
+
+
+def _val_curve(run: pathlib.Path) -> dict[int, float]:
+    """`{step: validation loss}` of the trainer's periodic evaluations (`metrics.jsonl`)."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+
+
+def _changed_files(a: str, b: str) -> list[str]:
+    """The files that differ between two commits of this checkout."""
+    from zeropp_jax.provenance import SOURCE
+
+    diff = ["git", "-C", str(SOURCE), "diff", "--name-only", a, b]
+    return subprocess.run(diff, capture_output=True, text=True, check=True).stdout.split()
+
+
+def _parts_code(run: pathlib.Path) -> list[dict]:
+    """The provenance of every part of a (resumed) run, first part first."""
+    record = json.loads((run / "run.json").read_text())
+    return [*record.get("earlier_provenance", []), record["provenance"]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +118,26 @@ def main(argv: list[str] | None = None) -> int:
         help="train nothing: evaluate the latest checkpoints in --work (runs stopped early "
         "by SIGTERM, which checkpoints the step it is on, are reported at that step)",
     )
+    p.add_argument(
+        "--only",
+        choices=["bytes", "bpe"],
+        default=None,
+        help="train (or continue) this run only, and write no report: a later call "
+        "without --only evaluates both (needs --work)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=0.0,
+        help="minutes after which the training runs get SIGTERM (they checkpoint the step "
+        "they are on); the call then exits 3 and writes no report, and the next call with "
+        "the same --work continues them (needs --work; 0: no limit)",
+    )
     args = p.parse_args(argv)
+    if (args.only or args.time_limit) and args.work is None:
+        p.error("--only and --time-limit train in parts: give --work, where the parts meet")
+    if args.only and args.evaluate_only:
+        p.error("--only trains, --evaluate-only does not: give one of them")
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="tokenizer_study_"))
     work.mkdir(parents=True, exist_ok=True)
     head = machine_line()
@@ -82,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenize += ["--vocab-size", str(args.vocab), "--out", str(tok)]
     if not (tok / "meta.json").exists():  # kept in --work: a rerun reuses it
         print(_run(tokenize, "zeropp-tokenize").strip(), flush=True)
+        (tok / "study_wall.json").write_text(json.dumps({"tokenize_s": time.time() - t0}))
     meta = json.loads((tok / "meta.json").read_text())
-    common = ["--steps", str(args.steps), "--no-progress", "--no-ledger", "--save-every", "0"]
+    common = ["--steps", str(args.steps), "--no-progress", "--no-ledger", "--save-every", "100"]
     variants = {
         "bytes": ([], 1.0),
         f"BPE {args.vocab}": (
@@ -95,23 +161,53 @@ def main(argv: list[str] | None = None) -> int:
             meta["val_bytes"] / meta["val_tokens"],
         ),
     }
+    runs = {name: work / name.replace(" ", "") for name in variants}
+    targets = [n for n in variants if args.only in (None, n.split()[0].lower())]
+    train = [] if args.evaluate_only else [n for n in targets if not _finished(runs[n], args.steps)]
     procs = {}
-    for name, (flags, _) in variants.items():
-        out = work / name.replace(" ", "")
+    for name in train:  # at once (one at a time with --only)
+        out, flags = runs[name], variants[name][0]
         cmd = [sys.executable, "-m", "zeropp_jax.train", *common, "--out", str(out), *flags]
-        done = out / "summary.json"
-        if args.evaluate_only or (
-            done.exists() and json.loads(done.read_text())["steps"] == args.steps
-        ):
-            procs[name] = (out, cmd, None)  # finished (or stopped) in --work: reused
-        else:
-            procs[name] = (out, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+        if _steps_saved(out):
+            cmd.append("--resume")  # a part stopped by --time-limit: continued
+        print(f"{name}: {' '.join(cmd)}", flush=True)
+        procs[name] = (cmd, time.time(), subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+    deadline = t0 + 60 * args.time_limit if args.time_limit else None
+    for name, (cmd, start, proc) in procs.items():
+        stopped = (0, 3)  # 3: stopped by SIGTERM after a checkpoint
+        try:
+            wait = None if deadline is None else max(1.0, deadline - time.time())
+            printed, _ = proc.communicate(timeout=wait)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # the trainer checkpoints the step it is on
+            printed, _ = proc.communicate(timeout=600)
+            stopped += (-signal.SIGTERM,)  # before its first step: no checkpoint, a rerun starts it
+        wall = _wall(runs[name])
+        wall = {"train_s": wall["train_s"] + time.time() - start, "parts": wall["parts"] + 1}
+        (runs[name] / "study_wall.json").write_text(json.dumps(wall))
+        print(printed.strip(), flush=True)
+        if proc.returncode not in stopped:
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{printed[-3000:]}")
+    if not args.evaluate_only:
+        unfinished = [n for n in variants if not _finished(runs[n], args.steps)]
+        if args.only or unfinished:
+            for name in variants:
+                saved = _steps_saved(runs[name])
+                print(
+                    f"{name}: {'finished' if name not in unfinished else 'at step'} "
+                    f"{saved[-1] if saved else 0} of {args.steps}, "
+                    f"{_wall(runs[name])['train_s'] / 60:.1f} min of training in "
+                    f"{_wall(runs[name])['parts']} part(s)",
+                    flush=True,
+                )
+            if unfinished:
+                print("not finished: call again with the same --work to continue", flush=True)
+            return 3 if any(n in unfinished for n in targets) else 0
+    t_eval = time.time()
+    code = provenance()
+    parts = {name: _parts_code(runs[name]) for name in variants}
     rows, samples = [], {}
-    for name, (out, cmd, proc) in procs.items():
-        if proc is not None:
-            printed, _ = proc.communicate(timeout=6 * 3600)
-            if proc.returncode not in (0, 3):  # 3: stopped by SIGTERM after a checkpoint
-                raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{printed[-3000:]}")
+    for name, out in runs.items():
         record = json.loads((out / "run.json").read_text())
         steps_done = _latest_step(out)
         int8, sample = _sample(out, "int8")
@@ -135,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 "int4_bits_per_byte": round(bpb(int4["int4"]), 4),
                 "int8_vs_float_pct": round(100 * (int8["int8"] / int8["float"] - 1), 3),
                 "int4_vs_float_pct": round(100 * (int4["int4"] / int4["float"] - 1), 3),
+                "train_min": round(_wall(out)["train_s"] / 60, 1),
+                "train_parts": _wall(out)["parts"],
             }
         )
     args.out.mkdir(parents=True, exist_ok=True)
@@ -152,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             "int4 bits/byte",
             "int8 vs float",
             "int4 vs float",
+            "training (min, parts)",
         ],
         [
             [
@@ -159,26 +258,72 @@ def main(argv: list[str] | None = None) -> int:
                 r["vocab"],
                 r["params_M"],
                 r["steps"],
-                r["bytes_per_token"],
-                r["val_loss_nats_per_token"],
-                r["float_bits_per_byte"],
-                r["int8_bits_per_byte"],
-                r["int4_bits_per_byte"],
+                f"{r['bytes_per_token']:.3f}",
+                f"{r['val_loss_nats_per_token']:.4f}",
+                f"{r['float_bits_per_byte']:.4f}",
+                f"{r['int8_bits_per_byte']:.4f}",
+                f"{r['int4_bits_per_byte']:.4f}",
                 f"{r['int8_vs_float_pct']:+.2f}%",
                 f"{r['int4_vs_float_pct']:+.2f}%",
+                f"{r['train_min']}, {r['train_parts']}",
             ]
             for r in rows
         ],
-        "lrrrrrrrrrr",
+        "lrrrrrrrrrrr",
     )
+    tokenize_s = json.loads((tok / "study_wall.json").read_text())["tokenize_s"]
+    mixed = [
+        f"{name} part {i + 1}: {describe(part)}"
+        for name, runs_parts in parts.items()
+        for i, part in enumerate(runs_parts)
+        if not same_code(part, code)
+    ]
+    code_line = (
+        f"Every part of both training runs ran the code of this evaluation ({describe(code)})."
+        if not mixed
+        else f"This evaluation ran {describe(code)}; NOT the same code: " + "; ".join(mixed) + "."
+    )
+    commits = {part["commit"] for runs_parts in parts.values() for part in runs_parts}
+    if mixed and len(commits) == 1 and None not in commits and code["commit"]:
+        (trained,) = commits
+        changed = _changed_files(trained, code["commit"]) + code["changed"]
+        code_line += (
+            f" The training's commit {trained[:7]} and this one differ in: "
+            + (", ".join(sorted(set(changed))) or "nothing")
+            + "."
+        )
+    curves = {name: _val_curve(out) for name, out in runs.items()}
+    curve_steps = sorted(set.intersection(*(set(c) for c in curves.values())))
+    curve = markdown_table(
+        ["step", *(f"{name} (bits/byte)" for name in variants)],
+        [
+            [
+                step,
+                *(f"{curves[n][step] / math.log(2) / variants[n][1]:.4f}" for n in variants),
+            ]
+            for step in curve_steps
+        ],
+        "r" * (1 + len(variants)),
+    )
+    calls = f"python experiments/tokenizer_study.py --steps {args.steps} --vocab {args.vocab}"
+    calls += " --evaluate-only" if args.evaluate_only else ""
+    if args.work is not None:  # trained by earlier calls, perhaps in parts
+        calls = (
+            f"`python experiments/tokenizer_study.py --steps {args.steps} --vocab {args.vocab} "
+            "--work W --only bytes|bpe --time-limit M` (the parts are in the training column), "
+            f"then `{calls} --work W`"
+        )
+    else:
+        calls = f"`{calls}`"
     text = [
         "# Bytes against a BPE, and the quantized weights against float",
         "",
         head,
         "",
-        f"`python experiments/tokenizer_study.py --steps {args.steps} --vocab {args.vocab}`"
-        + (" --evaluate-only" if args.evaluate_only else "")
-        + f" ({(time.time() - t0) / 60:.0f} min). The tiny model (`zeropp-train` defaults: "
+        f"{calls} (zeropp-tokenize {tokenize_s / 60:.1f} min; the "
+        f"training runs' wall time is in the table; evaluation "
+        f"{(time.time() - t_eval) / 60:.1f} min). {code_line} "
+        "The tiny model (`zeropp-train` defaults: "
         "d_model 128, 4 layers, 128 tokens per sequence, batch 32, full ZeRO++ on a 2 x 4 "
         f"mesh of emulated CPU devices), {args.steps} steps scheduled on the standard "
         "library's `.py` files (16 MB, the trainer's split), on bytes and on a byte-level BPE of "
@@ -194,10 +339,18 @@ def main(argv: list[str] | None = None) -> int:
         "",
         table,
         "",
+        "The trainer's own validation passes (`--eval-every 100`, float weights, the same "
+        "8 batches; both runs on one schedule of "
+        f"{args.steps} steps, so a step has the same learning rate in both), where both "
+        "runs have one:",
+        "",
+        curve,
+        "",
         "A sequence of 128 BPE tokens spans about "
         f"{rows[-1]['bytes_per_token'] * 128:.0f} bytes of text against 128 for bytes, and the "
-        "BPE's embedding is 16 times larger; both runs take the same steps and tokens per "
-        "step.",
+        "BPE's embedding is "
+        f"{rows[-1]['vocab'] / rows[0]['vocab']:.3g} times larger; both runs take the same "
+        "steps and tokens per step.",
         "",
     ]
     for name, sample in samples.items():

@@ -201,9 +201,16 @@ def test_calibrate_link_recovers_efficiency(tmp_path):
 
 
 def test_memory_reestimate_keeps_the_measured_columns(tmp_path):
+    """The quick run's worker compiles with conftest's quick XLA flags (`worker_rows`
+    passes the caller's on); its rows also set each compiled step against the estimate."""
     import memory
 
     first = memory.main(["--quick", "--out", str(tmp_path)])
+    row = next(r for r in first if r["engine"] == "ZeRO++")
+    assert row["mesh"] == "2x4" and row["model"] == "tiny"
+    # the estimate is of the same size as XLA's figure even for a model this small, where
+    # XLA's small temporaries, which it leaves out, weigh the most
+    assert 0.5 < row["xla_over_estimate"] < 2.0
     again = memory.main(["--quick", "--reestimate", "--out", str(tmp_path)])
     assert len(again) == len(first) == len(memory.ENGINES) == 6
     for a, b in zip(again, first, strict=True):
@@ -260,16 +267,6 @@ def test_memory_summary_is_the_results_files_table():
     assert "Rows measured at: commit" in text
 
 
-def test_memory_row_sets_the_compiled_step_against_the_estimate():
-    import memory
-
-    row = memory.measure("tiny", "ZeRO++", (2, 4), 32)
-    assert row["engine"] == "ZeRO++" and row["mesh"] == "2x4"
-    # the estimate is of the same size as XLA's figure even for a model this small, where
-    # XLA's small temporaries, which it leaves out, weigh the most
-    assert 0.5 < row["xla_over_estimate"] < 2.0
-
-
 LIVE_RANGE = """BufferLiveRange:
   Live ranges at 7 (peak):
     dus_fusion{}: 100 bytes (cumulative: 100 bytes)
@@ -308,3 +305,15 @@ def test_memory_live_quick_rows(tmp_path):
         # what is live at the peak fits in what the heap and the arguments hold
         assert 0 < r["live_peak_GB"] <= r["total_GB"] + 0.001
     assert (tmp_path / "memory_live_quick.md").read_text().startswith("# Live bytes")
+
+
+def test_worker_rows_passes_the_callers_xla_flags_less_the_device_count(monkeypatch):
+    import _common
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_a=1 --xla_force_host_platform_device_count=8 --xla_b")
+    show = "import json, os; print(json.dumps({'flags': os.environ.get('XLA_FLAGS')}))"
+    assert _common.worker_rows([sys.executable, "-c", show], "the echo") == [
+        {"flags": "--xla_a=1 --xla_b"}
+    ]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert _common.worker_rows([sys.executable, "-c", show], "the echo") == [{"flags": None}]

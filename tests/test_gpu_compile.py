@@ -4,7 +4,8 @@ compiles them, and `experiments/gpu_program.py`, which reads them and keeps the 
 Two kinds of tests:
 
 * on saved programs (`tests/data/gpu_*.hlo.gz`: the trainer GPT's ZeRO++ and XLA FSDP
-  steps compiled for 2 x 4 H200s with the flags of `docs/gpu_cluster.md`, cut by
+  steps compiled for 2 x 4 H200s with the flags of `docs/gpu_cluster.md` by the runs of
+  the results table (`experiments/results/gpu_compile.md`, its `code` column), cut by
   `gpu_program.minimal_hlo`) and on a hand-written scheduled module: what
   `hlo_text.scheduled_collectives` reads, and that the saved programs keep what the
   results table claims. These run everywhere.
@@ -103,6 +104,15 @@ def test_scheduled_collectives_read_what_runs_between_start_and_done():
     assert got[3].replica_groups == "{{0,1}}"
 
 
+def test_most_in_flight_counts_collectives_started_and_not_done():
+    module = hlo_text.parse_hlo_module(SCHEDULED)
+    assert gpu_program.most_in_flight(module, hlo_text.scheduled_collectives(module)) == 1
+    agd0 = "  %agd0 = s8[4,256]{1,0} all-gather-done(%ag0)\n"
+    agd1 = "  %agd1 = s8[4,256]{1,0} all-gather-done(%ag1)\n"
+    both = hlo_text.parse_hlo_module(SCHEDULED.replace(agd0, "").replace(agd1, agd1 + agd0))
+    assert gpu_program.most_in_flight(both, hlo_text.scheduled_collectives(both)) == 2
+
+
 def test_scheduled_collectives_refuse_a_start_without_its_done():
     text = SCHEDULED.replace("  %agd1 = s8[4,256]{1,0} all-gather-done(%ag1)\n", "")
     with pytest.raises(ValueError, match="'ag1' in 'main' has no 'all-gather-done'"):
@@ -157,6 +167,9 @@ def test_zeropp_on_h200s_gathers_8_bit_asynchronously_overlapped_in_both_loops(z
         assert found, place
         assert all(g.asynchronous and g.overlapped for g in found), place
     assert len(hlo_text.loop_bodies(module)) == 2  # the forward and the backward loop
+    # XLA's GPU schedule runs one collective at a time: none outside the loops can stay in
+    # flight across a loop that communicates (why those gathers are not overlapped)
+    assert gpu_program.most_in_flight(module, hlo_text.scheduled_collectives(module)) == 1
 
 
 def test_zeropp_on_h200s_sends_what_the_ledger_says(zeropp_program):

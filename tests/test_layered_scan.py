@@ -249,18 +249,30 @@ def test_zeropp_defaults_on_a_relaid_stack_stay_within_the_quantizer_bound():
 # ----------------------------------------------------------------------------- weight deltas
 
 
-def test_weight_deltas_gather_each_layer_from_the_reference(monkeypatch):
-    """int4 weight deltas on a scanned model: each layer is gathered over `local` from its
-    slice of the kept reference (the cross-node delta hop runs once per leaf, in
-    `apply_gradients`), forward and backward, instead of the whole stack before the loop.
-    Against the whole-gather route (the scan left to XLA), with the reference's stage 2
-    and the gradients unquantized: both gather the same values and reduce the same sums,
-    so the three steps, references included, agree to float summation order (the two
-    programs' backward sums differ in order: about 1 ulp, not bitwise equal). The
-    per-layer route holds less than the whole stacks in its temporaries."""
-    config = zpp.ZeroPPConfig(
-        weight_delta_bits=4, weight_block_size=32, weight_local_bits=None, **EXACT
-    )
+DELTA = dict(weight_bits=None, weight_delta_bits=4, weight_block_size=32, compute_dtype=jnp.float32)
+"""int4 weight deltas; the reference (built unquantized) gathered unquantized inside a node."""
+KEPT_STATE = {
+    "delta": zpp.ZeroPPConfig(grad_bits=None, **DELTA),
+    # Per-layer pieces of 64 values: blocks of 32 cut a layer's piece where they cut the
+    # whole stack's, so both routes quantize the same blocks.
+    "delta_feedback": zpp.ZeroPPConfig(grad_block_size=32, error_feedback="all", **DELTA),
+}
+"""Configs whose state keeps per-leaf buffers that a loop reads per layer: the weight-delta
+reference, and with error feedback each gradient hop's residual."""
+
+
+@pytest.mark.parametrize("name", list(KEPT_STATE))
+def test_weight_deltas_and_error_feedback_gather_and_reduce_each_layer(name, monkeypatch):
+    """int4 weight deltas (and error feedback) on a scanned model: each layer is gathered
+    over `local` from its slice of the kept reference (the cross-node delta hop runs once
+    per leaf, in `apply_gradients`), forward and backward, and its gradient reduced inside
+    the backward loop with its slice of the residuals, instead of the whole stacks before
+    the loop. Against the whole-gather route (the scan left to XLA): both gather the same
+    values and quantize the same blocks of the same sums, so the three steps, references
+    and residuals included, agree to float summation order (the two programs' backward
+    sums differ in order: about 1 ulp, not bitwise equal). The per-layer route holds less
+    than the whole stacks in its temporaries."""
+    config = KEPT_STATE[name]
     model = stack("none")
     params = model.init(jax.random.key(0), data(0)["x"])["params"]
     mesh = zpp.make_mesh(2, 4)
@@ -288,8 +300,8 @@ def test_weight_deltas_gather_each_layer_from_the_reference(monkeypatch):
     )
     np.testing.assert_allclose(losses, whole_losses, rtol=1e-6)
     for a, b in zip(
-        jax.tree_util.tree_leaves((zpp.gather_params(state), state.weight_ref)),
-        jax.tree_util.tree_leaves((zpp.gather_params(whole_state), whole_state.weight_ref)),
+        jax.tree_util.tree_leaves((state.params, state.weight_ref)),
+        jax.tree_util.tree_leaves((whole_state.params, whole_state.weight_ref)),
         strict=True,
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -25,10 +25,11 @@ class Gathers(Protocol):
     axis 0, traced), what a scan's iteration passes for that layer's piece.
     `has_reference(leaf)`: the leaf's `wire` is read from a kept weight-delta reference
     (no communication), so a loop computes it again where needed rather than keeping it.
+    `residuals(leaf)` of a stacked leaf are, like its reference, per-device pieces of the
+    whole leaf (`partition.layer_of_pieces` cuts one layer's out).
     """
 
     num_devices: int
-    layered: bool
 
     def layout(self, leaf: int) -> part.LeafLayout: ...
     def name(self, leaf: int) -> str: ...

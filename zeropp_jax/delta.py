@@ -68,30 +68,6 @@ def own_piece(reference: jax.Array, rows: int, *, node_axis: str = "node") -> ja
     return lax.dynamic_slice_in_dim(reference, lax.axis_index(node_axis) * rows, rows)
 
 
-def layer_reference(
-    reference: jax.Array, layers: int, layer: jax.Array, *, node_axis: str = "node"
-) -> jax.Array:
-    """One layer's reference of a stacked leaf: the secondary shard of that layer's piece.
-
-    A stacked leaf's piece is its `layers` per-layer pieces one after another (see
-    `partition`), so its reference `(num_nodes * layers * c,)` holds, per node, every
-    layer's `c` values; one layer's reference is the `(num_nodes * c,)` values of that
-    layer from every node, in node order (what `secondary_gather` of the layer's piece
-    would give). A strided slice, no copy of the whole reference.
-
-    Args:
-      reference: per-device reference `(num_nodes * layers * c,)` of a stacked leaf.
-      layers: the leaf's layers (its stored axis 0).
-      layer: the layer (traced or static), `0 <= layer < layers`.
-      node_axis: name of the inter-node mesh axis.
-
-    Returns:
-      `(num_nodes * c,)` in the reference's dtype.
-    """
-    per_node = reference.reshape(lax.axis_size(node_axis), layers, -1)
-    return lax.dynamic_index_in_dim(per_node, layer, axis=1, keepdims=False).reshape(-1)
-
-
 def delta_all_gather(
     x: jax.Array,
     reference: jax.Array,

@@ -22,7 +22,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from zeropp_jax import collectives, dataflow, delta, placement, tensor_parallel, weight_gather
+from zeropp_jax import collectives, dataflow, placement, tensor_parallel, weight_gather
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax.choices import gather_spec, resolve_codec, rounding_key
@@ -148,7 +148,6 @@ def make_island_apply(
                 spec=spec,
                 num_devices=data_parallel_size(mesh),
                 check_vma=check_vma,
-                layered=config.error_feedback is None,
                 keys=tuple(
                     rounding_key(config, step, i) if step is not None and lo.sharded else None
                     for i, lo in enumerate(leaf_layouts)
@@ -279,8 +278,6 @@ class LeafGathers:
       num_devices: data-parallel devices of the mesh (`node` x `local`).
       check_vma: whether the island checks varying axes (tensor-parallel leaves run their
         collectives in a nested shard_map over `model` that checks alike).
-      layered: whether scans may gather per layer (not with error feedback, whose
-        residuals are kept per leaf).
       keys: per leaf, its stochastic-rounding key or None (traced).
       refs: per leaf, its weight-delta reference or None (traced).
       res: per leaf, its error-feedback residuals or `()` (traced).
@@ -291,7 +288,6 @@ class LeafGathers:
     spec: weight_gather.GatherSpec
     num_devices: int
     check_vma: bool
-    layered: bool
     keys: tuple[Any, ...]
     refs: tuple[Any, ...]
     res: tuple[Any, ...]
@@ -312,7 +308,8 @@ class LeafGathers:
         key, ref = fixed
         if ref is None:
             return fixed
-        return key, delta.layer_reference(ref, self.layouts[leaf].lead, layer)
+        lo = self.layouts[leaf]
+        return key, part.layer_of_pieces(ref, lo.lead, lo.padded // self.num_devices, layer)
 
     def has_reference(self, leaf: int) -> bool:
         return self.refs[leaf] is not None

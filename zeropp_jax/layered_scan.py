@@ -8,7 +8,10 @@ custom VJP: it keeps what the model's own remat keeps of each layer (everything 
 remat; what `nn.remat` / `jax.checkpoint`'s policy saves), minus the gathered weights and
 whatever is computed from them alone, which it re-gathers (hpZ: from the kept secondary
 shard, over `local` only) and recomputes; it reduces layer i's gradients inside the
-iteration. Shapes are per device.
+iteration. A leaf's per-leaf state is read per layer: with weight deltas each layer is
+gathered from its slice of the kept reference (read again in the backward, not kept),
+with error feedback its reduction reads and returns its slice of the residuals. Shapes
+are per device.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import api, core
 from jax._src.interpreters import partial_eval as pe
@@ -87,6 +91,38 @@ class Loop:
             out.append(self.gathers.layer_fixed(leaf, f, layer))
         return out
 
+    def residuals_at(self, residuals: list[Any], i: Any) -> list[Any]:
+        """Per stacked weight, its error-feedback residuals cut to iteration `i`'s layer
+        (`()` for a weight without)."""
+        out = []
+        for k, (leaf, res) in enumerate(zip(self.leaves, residuals, strict=True)):
+            ids = self.stored_layers[k] if self.stored_layers else None
+            layer = i if ids is None else jnp.asarray(ids, jnp.int32)[i]
+            lo = self.gathers.layout(leaf)
+            piece = lo.padded // self.gathers.num_devices
+
+            def cut(r, lo=lo, piece=piece, layer=layer):
+                return part.layer_of_pieces(r, lo.lead, piece, layer)
+
+            out.append(jax.tree_util.tree_map(cut, res))
+        return out
+
+    def residuals_of(self, per_layer: list[Any]) -> list[Any]:
+        """Inverse of `residuals_at` over all layers: per stacked weight, its residuals
+        from their per-iteration values stacked `(length, ...)` (every stored layer read
+        once: a checked precondition of error feedback in a loop)."""
+        out = []
+        for k, (leaf, stacks) in enumerate(zip(self.leaves, per_layer, strict=True)):
+            ids = self.stored_layers[k] if self.stored_layers else None
+            order = None if ids is None else np.argsort(ids)
+            piece = self.gathers.layout(leaf).padded // self.gathers.num_devices
+
+            def back(a, order=order, piece=piece):
+                return part.pieces_of_layers(a if order is None else a[order], piece)
+
+            out.append(jax.tree_util.tree_map(back, stacks))
+        return out
+
     def rewired(self) -> list[bool]:
         """Per stacked weight, whether its wire is computed again in the backward loop (read
         from a kept weight-delta reference, no communication) rather than kept."""
@@ -149,6 +185,7 @@ def run(
     plain: list[Any],
     fixed: list[Any],
     tie: Any,
+    feedback: list[Any] | None = None,
 ) -> list[Any]:
     """The scan of `loop`, one layer gathered per iteration; returns its outputs (final
     carry, then stacked `ys`).
@@ -162,8 +199,12 @@ def run(
       plain: the scan's `xs` other than the stacked weights.
       fixed: per stacked weight, `gathers.fixed(leaf)`.
       tie: what the first gather waits for (None: nothing).
+      feedback: per stacked weight, `gathers.residuals(leaf)` (error feedback; None: no
+        weight has any). Layer i's gradient reduction reads layer i's cut of them; their
+        cotangents are the new residuals, every layer's.
     """
     g = loop.gathers
+    feedback = [()] * len(loop.leaves) if feedback is None else list(feedback)
     whole = loop.kept_whole()
     rewire = loop.rewired()
     split = _Split.of(loop)
@@ -210,7 +251,7 @@ def run(
         )
         return c, ys, saved
 
-    def backward(shards, consts, plain, fixed, saved, g_carry, g_ys):
+    def backward(shards, feedback, consts, plain, fixed, saved, g_carry, g_ys):
         """Layers in reverse: re-gather layer i once the cotangent reaching it exists,
         apply its kept VJP, reduce its weights' gradients."""
         res_bits, kept = saved
@@ -243,40 +284,44 @@ def run(
                 vjp, weights, consts, x_plain, g_c, _take(g_ys, i)
             )
             (d_flats,) = pull_weights(d_pre)
-            d_pieces = [
-                g.reduce(leaf, d, f, None, i)[0]
-                for leaf, d, f in zip(loop.leaves, d_flats, fixed, strict=True)
+            reduced = [
+                g.reduce(leaf, d, f, r, i)
+                for leaf, d, f, r in zip(
+                    loop.leaves, d_flats, fixed, loop.residuals_at(feedback, i), strict=True
+                )
             ]
             g_cs = [a + b for a, b in zip(g_cs, _inexact(consts, d_consts), strict=True)]
             d_plain = [d if fl else None for d, fl in zip(d_plain, floats, strict=True)]
-            return (g_c, g_cs), (d_plain, d_pieces)
+            return (g_c, g_cs), (d_plain, [d for d, _ in reduced], [r for _, r in reduced])
 
-        (g_c, g_cs), (d_plain, d_pieces) = pipelined(
+        (g_c, g_cs), (d_plain, d_pieces, new_feedback) = pipelined(
             fetch_back, compute, (g_carry, g_cs), g_carry, loop.length, loop.lookahead, reverse=True
         )
         d_plain = [
             d if fl else dataflow.zero_cotangent(x)
             for d, fl, x in zip(d_plain, floats, plain, strict=True)
         ]
-        return d_pieces, _consts_cotangent(consts, g_cs), g_c, d_plain
+        new_feedback = loop.residuals_of(new_feedback)
+        return d_pieces, new_feedback, _consts_cotangent(consts, g_cs), g_c, d_plain
 
     @jax.custom_vjp
-    def scan(shards, consts, init, plain, fixed, tie):
+    def scan(shards, feedback, consts, init, plain, fixed, tie):
         c, ys, _ = forward(shards, consts, init, plain, fixed, tie, False)
         return c, ys
 
-    def scan_fwd(shards, consts, init, plain, fixed, tie):
+    def scan_fwd(shards, feedback, consts, init, plain, fixed, tie):
         c, ys, saved = forward(shards, consts, init, plain, fixed, tie, True)
-        return (c, ys), (shards, consts, plain, fixed, saved, tie)
+        return (c, ys), (shards, feedback, consts, plain, fixed, saved, tie)
 
     def scan_bwd(res, cts):
-        shards, consts, plain, fixed, saved, tie = res
+        shards, feedback, consts, plain, fixed, saved, tie = res
         g_carry, g_ys = cts
-        d_shards, d_consts, d_init, d_plain = backward(
-            shards, consts, plain, fixed, saved, g_carry, g_ys
+        d_shards, new_feedback, d_consts, d_init, d_plain = backward(
+            shards, feedback, consts, plain, fixed, saved, g_carry, g_ys
         )
         return (
             d_shards,
+            new_feedback,
             d_consts,
             d_init,
             d_plain,
@@ -285,7 +330,7 @@ def run(
         )
 
     scan.defvjp(scan_fwd, scan_bwd)
-    c, ys = scan(shards, consts, list(init), plain, fixed, tie)
+    c, ys = scan(shards, feedback, consts, list(init), plain, fixed, tie)
     return [*c, *ys]
 
 

@@ -375,6 +375,25 @@ def stored_to_pieces(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.
     return jnp.swapaxes(x, 0, 1).reshape(-1)
 
 
+def layer_of_pieces(x: jax.Array, layers: int, piece: int, layer: Any) -> jax.Array:
+    """One layer's values of per-device pieces of a stacked leaf laid end to end.
+
+    A stacked leaf's piece holds its `layers` per-layer pieces of `piece` values one after
+    another (`(layers, piece)` flattened); `x` is `k` such pieces, `(k * layers * piece,)`
+    (a gathered leaf, a gradient residual). Returns that layer's `(k * piece,)`: its piece
+    of each of the `k`, in order, what the same values of the one layer would be. Per
+    device, inside shard_map; `layer` may be traced.
+    """
+    per = x.reshape(-1, layers, piece)
+    return lax.dynamic_index_in_dim(per, layer, axis=1, keepdims=False).reshape(-1)
+
+
+def pieces_of_layers(stack: jax.Array, piece: int) -> jax.Array:
+    """Inverse of `layer_of_pieces` over all layers: `(layers, k * piece)`, each layer's
+    values in order, -> `(k * layers * piece,)`."""
+    return jnp.swapaxes(stack.reshape(stack.shape[0], -1, piece), 0, 1).reshape(-1)
+
+
 def leaf_spec(layout: LeafLayout) -> P:
     """The `PartitionSpec` of a stored leaf."""
     if not layout.sharded:

@@ -27,8 +27,9 @@ value (its per-device shard, not yet gathered):
   (one more reduction of the leaf per extra use, nothing full-size held);
 - a weight read inside a `cond` or `while`, or by a scan this module does not rebuild (a
   weight among its constants or carry, a chain that merges or broadcasts the layer axis,
-  a tensor-parallel leaf scanned over an axis other than 0), is gathered whole at that
-  point, with a warning naming the leaf.
+  a tensor-parallel, weight-delta or error-feedback leaf scanned over an axis other than 0,
+  an error-feedback leaf whose scan does not read every layer once), is gathered whole at
+  that point, with a warning naming the leaf.
 
 Order comes from data dependencies, not from the scheduler: `_barrier` ties each gather's
 input shard to an activation (the previous weight use's input, so the gather
@@ -447,7 +448,7 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
     p = eqn.params
     nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
     consts, init, xs = invals[:nc], invals[nc : nc + nk], list(invals[nc + nk :])
-    if not g.layered or any(isinstance(x, Lazy) for x in init):
+    if any(isinstance(x, Lazy) for x in init):
         return None
     lazy_consts = [k for k, x in enumerate(consts) if isinstance(x, Lazy)]
     if lazy_consts:
@@ -472,8 +473,13 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
         if not lo.stacked:
             # Per-layer vectors (biases, norm scales) are small: gathered whole, before the loop.
             xs[i] = _materialize(ctx, x, None)
-        elif view.axis != 0 and (lo.tensor_parallel or g.has_reference(x.leaf)):
-            # Re-laid out, a layer's reference would need the same all-to-all.
+        elif view.axis != 0 and (
+            lo.tensor_parallel or g.has_reference(x.leaf) or g.residuals(x.leaf)
+        ):
+            # Re-laid out, a layer's reference and residuals would need the same all-to-all.
+            return None
+        elif g.residuals(x.leaf) and sorted(view.layers(length)) != list(range(lo.shape[0])):
+            # Every layer's residual is sent once per step, also for a layer the scan skips.
             return None
         else:
             matrices.append(i)
@@ -519,6 +525,7 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
         [xs[i] for i in plain_pos],
         [g.fixed(xs[i].leaf) for i in matrices],
         tie,
+        [g.residuals(xs[i].leaf) for i in matrices],
     )
     return _unreversed(outs, nk) if p["reverse"] else outs
 
