@@ -276,6 +276,76 @@ def _merged(rows: list[dict], path: pathlib.Path, run: str) -> tuple[list[dict],
     return sorted(merged, key=order), [*runs, run]
 
 
+def row_commits(md: pathlib.Path) -> dict[tuple[str, str, str], str]:
+    """Per (mesh, model, engine), the commit of the run that measured the row, from the run
+    lines of a merged results file (the last line naming a row measured it)."""
+    import re
+
+    head = md.read_text().split("\n\n")[1]
+    lines = [line for line in head.splitlines() if line.startswith(RUN)]
+    out = {}
+    for line in lines:
+        meshes, sizes, engines = line.removeprefix(RUN).split(":")[0].split(" | ")
+        commit = re.search(r"commit ([0-9a-f]{7,})", line.split(". Estimate: ")[0])
+        for m in meshes.split(","):
+            for size in sizes.split(","):
+                for e in engines.split(","):
+                    out[(m, size, e)] = commit.group(1) if commit else "?"
+    return out
+
+
+def summary(paths: list[pathlib.Path]) -> str:
+    """The table RESULTS.md shows: per mesh and size, each engine's total GB per device
+    (in parentheses XLA's total over the estimate for our engines), data parallelism's over
+    ZeRO-3's and ZeRO++'s (per-use in parentheses), and XLA FSDP's over ZeRO-3's; then the
+    commit each row was measured at (`row_commits`)."""
+    head = ["mesh", "model", "data parallel", "XLA FSDP", "ZeRO-3", "ZeRO-3 per-use"]
+    head += ["ZeRO++", "ZeRO++ per-use", "DP / ZeRO-3 (per-use)", "DP / ZeRO++ (per-use)"]
+    head += ["XLA FSDP / ZeRO-3 (per-use)"]
+    body, commits = [], {}
+    for path in paths:
+        rows = _read_rows(path)
+        for (m, size, e), c in row_commits(path.with_suffix(".md")).items():
+            commits.setdefault(c, set()).add((m, size, e))
+        for mesh in dict.fromkeys(r["mesh"] for r in rows):
+            for size in dict.fromkeys(r["model"] for r in rows if r["mesh"] == mesh):
+                got = {r["engine"]: r for r in rows if (r["mesh"], r["model"]) == (mesh, size)}
+
+                def gb(e: str, got: dict = got) -> float:
+                    return float(got[e]["total_GB"])
+
+                def cell(e: str, got: dict = got) -> str:
+                    return f"{gb(e):.3f} ({float(got[e]['xla_over_estimate']):.3f})"
+
+                dp, xla = gb("data parallel"), gb("XLA FSDP")
+                z3, z3u, zp, zpu = (gb(e) for e in ENGINES[2:])
+                body.append(
+                    [mesh, size, f"{dp:.3f}", f"{xla:.3f}", *(cell(e) for e in ENGINES[2:])]
+                    + [f"{dp / z3:.2f}x ({dp / z3u:.2f}x)", f"{dp / zp:.2f}x ({dp / zpu:.2f}x)"]
+                    + [f"{xla / z3:.2f}x ({xla / z3u:.2f}x)"]
+                )
+    table = _common.markdown_table(head, body, "llrrrrrrrrr")
+    final = {}
+    for path in paths:
+        final.update(row_commits(path.with_suffix(".md")))
+    engines_of: dict[tuple[str, str, str], set[str]] = {}
+    for (m, size, e), c in final.items():
+        engines_of.setdefault((c, m, size), set()).add(e)
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for (c, m, size), engines in engines_of.items():
+        if set(ENGINES) == engines:
+            which = "all engines"
+        elif len(engines) > len(ENGINES) / 2:
+            which = "all but " + ", ".join(e for e in ENGINES if e not in engines)
+        else:
+            which = ", ".join(e for e in ENGINES if e in engines)
+        groups.setdefault((c, m, which), []).append(size)
+    notes = "; ".join(
+        f"commit {c}: {m} {', '.join(sizes)} ({which})" for (c, m, which), sizes in groups.items()
+    )
+    return table + "\nRows measured at: " + notes + ".\n"
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = _common.worker_or_parent(argv, worker)
     if argv is None:
@@ -296,12 +366,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "recompute only the estimate with this commit's plan.estimate (nothing compiled)",
     )
     p.add_argument(
+        "--summary",
+        action="store_true",
+        help="print the RESULTS.md table from the memory_2x4 and memory_16x8 files in --out "
+        "(nothing compiled)",
+    )
+    p.add_argument(
         "--merge",
         action="store_true",
         help="replace only the rows of these sizes and meshes in the results file of "
         "--meshes and keep its others (a table measured in pieces)",
     )
     args = p.parse_args(argv)
+    if args.summary:
+        out = pathlib.Path(args.out)
+        print(summary([out / "memory_2x4.csv", out / "memory_16x8.csv"]))
+        return []
     if args.quick:
         args.meshes, args.sizes, args.seq = "2x4", "tiny", 128
     if args.merge and args.reestimate:

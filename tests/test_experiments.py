@@ -227,6 +227,46 @@ def test_memory_reestimate_keeps_the_measured_columns(tmp_path):
     assert text.count("Measured: ") == 1 and text.count("Estimate: ") == 1
 
 
+def test_memory_merge_replaces_only_the_rows_it_measured(tmp_path):
+    import _common
+    import memory
+
+    def row(model: str, engine: str, total: float) -> dict:
+        return {"mesh": "2x4", "model": model, "engine": engine, "total_GB": total}
+
+    old = [row(m, e, 1.0) for m in ("125m", "350m") for e in memory.ENGINES]
+    _common.write_csv(tmp_path / "memory_2x4.csv", old)
+    (tmp_path / "memory_2x4.md").write_text("# t\n\nold machine, commit 1111111.\n\nx\n")
+    new = [{**row("350m", "XLA FSDP", 2.0), "ledger_M": ""}]
+    piece = f"{memory.RUN}2x4 | 350m | XLA FSDP: new machine, commit 2222222; `cmd`."
+    rows, runs = memory._merged(new, tmp_path / "memory_2x4.csv", piece)
+    assert len(rows) == len(old)
+    assert [(r["model"], r["engine"]) for r in rows] == [(r["model"], r["engine"]) for r in old]
+    assert {r["total_GB"] for r in rows if (r["model"], r["engine"]) != ("350m", "XLA FSDP")} == {
+        1.0
+    }
+    assert all(set(r) == set(rows[0]) for r in rows) and "ledger_M" in rows[0]
+    assert runs[-1] == piece and "commit 1111111" in runs[0]
+    (tmp_path / "memory_2x4.md").write_text("# t\n\n" + "\n".join(runs) + "\n\nx\n")
+    commits = memory.row_commits(tmp_path / "memory_2x4.md")
+    assert commits[("2x4", "350m", "XLA FSDP")] == "2222222"
+    assert commits[("2x4", "125m", "XLA FSDP")] == "1111111"
+
+
+def test_memory_summary_is_the_results_files_table():
+    import _common
+    import memory
+
+    paths = [_common.RESULTS / "memory_2x4.csv", _common.RESULTS / "memory_16x8.csv"]
+    text = memory.summary(paths)
+    rows = {(r["mesh"], r["model"], r["engine"]): r for p in paths for r in memory._read_rows(p)}
+    line = next(x for x in text.splitlines() if x.startswith("| 16x8 | 125m |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert float(cells[3]) == rows[("16x8", "125m", "XLA FSDP")]["total_GB"]
+    assert cells[4].startswith(f"{rows[('16x8', '125m', 'ZeRO-3')]['total_GB']:.3f} (")
+    assert "Rows measured at: commit" in text
+
+
 LIVE_RANGE = """BufferLiveRange:
   Live ranges at 7 (peak):
     dus_fusion{}: 100 bytes (cumulative: 100 bytes)
