@@ -119,7 +119,13 @@ def _bad_inputs(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
         (["--tokenizer", str(tmp / "nope.json")], "nope.json: no such file"),
         (["--data", str(tmp / "short.txt")], "--seq-len 16: the validation split holds 1 byte,"),
         (["--val-data", str(tmp / "short.txt")], "--val-data needs --data"),
-    ]
+        (["--train-tokenizer", "300"], "learns from --data text"),
+        (["--data", str(tmp / "short.txt"), "--train-tokenizer", "300", "--tokenizer",
+          str(tmp / "bad.json")], "drop --tokenizer"),
+        (["--data", str(tmp / "ids.bin"), "--train-tokenizer", "300"], "already a token file"),
+        (["--data", str(tmp / "short.txt"), "--train-tokenizer", "256"], "pick a size in 257"),
+        (["--data", str(tmp / "empty"), "--train-tokenizer", "300"], "holds no tokens"),
+    ]  # fmt: skip
 
 
 def test_bad_data_gives_one_line_and_exit_2_before_compiling(tmp_path, capsys, monkeypatch):
@@ -138,6 +144,37 @@ def test_bad_data_gives_one_line_and_exit_2_before_compiling(tmp_path, capsys, m
         assert exc.value.code == 2, (flags, err)
         assert err.count("\n") == 1 and err.startswith("zeropp-train: error: "), err
         assert message in err, (message, err)
+
+
+def test_train_tokenizer_learns_a_bpe_into_the_run_and_trains_on_it(tmp_path, monkeypatch):
+    """`zeropp-train --train-tokenizer N`: the BPE is learned from the --data text, saved as
+    OUT/tokenizer.json, and the corpus is encoded with it (stopped there, before compiling)."""
+    from zeropp_jax.train import cli
+
+    text = tmp_path / "text"
+    text.mkdir()
+    for path in sorted(pathlib.Path(tokenize_corpus.__file__).parent.glob("*.py"))[:6]:
+        (text / path.name).write_bytes(path.read_bytes())
+    loaded = {}
+
+    class Loaded(Exception):
+        pass
+
+    def stop_after_loading(args):
+        loaded["args"], loaded["corpus"] = args, real(args)
+        raise Loaded
+
+    real = corpus.from_flags
+    monkeypatch.setattr(corpus, "from_flags", stop_after_loading)
+    out = tmp_path / "run"
+    with pytest.raises(Loaded):
+        cli.main([*SMALL, "--data", str(text), "--train-tokenizer", "300", "--out", str(out)])
+    args, got = loaded["args"], loaded["corpus"]
+    assert args.tokenizer == str(out / "tokenizer.json") and args.vocab_size == 384
+    tok = load_tokenizer(args.tokenizer)
+    assert tok.vocab_size == 300 and got.unit == "token" and 1.2 < got.bytes_per_token < 3
+    sample = (text / sorted(p.name for p in text.iterdir())[0]).read_bytes()[:2000]
+    assert tok.decode(tok.encode(sample)).encode() == sample
 
 
 def test_tokenize_and_sample_bad_input_gives_one_line_and_exit_2(tmp_path, capsys):

@@ -153,6 +153,13 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
     check_batch(args, data_parallel_size(mesh))
     config = zeropp_config(args)
     out = args.out or default_out(args)
+    if args.train_tokenizer is not None:
+        if jax.process_count() > 1:
+            raise UsageError(
+                "--train-tokenizer learns on one process; for a multi-process job run "
+                "zeropp-tokenize --data ... --vocab-size N --out DIR first and train on its files"
+            )
+        args.tokenizer = os.path.join(out, "tokenizer.json")  # learned below, or resumed
     if args.resume:
         check_resume(out, args)
     elif latest_checkpoint(out) is not None:
@@ -163,6 +170,10 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
     is_main = jax.process_index() == 0
     if is_main:
         check_writable(out)
+    if args.train_tokenizer is not None and not args.resume:
+        from zeropp_jax.train.tokenize_corpus import learn_for_run
+
+        learn_for_run(args, out)
 
     from zeropp_jax.train import corpus as user_corpus
 

@@ -244,6 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
         "package: pip install 'zeropp_jax[data]'; zeropp-tokenize trains one) (bytes)",
     )
     g.add_argument(
+        "--train-tokenizer",
+        type=int,
+        default=None,
+        metavar="N",
+        help="learn a byte-level BPE of N ids from the training split of the --data text "
+        "first (as zeropp-tokenize --vocab-size N; needs the tokenizers package), save it "
+        "as OUT/tokenizer.json and train on it; --resume reuses it; one process only",
+    )
+    g.add_argument(
         "--vocab-size",
         type=_positive,
         default=None,
@@ -559,8 +568,10 @@ def _check_data(args: argparse.Namespace) -> None:
 
     if args.val_data and not args.data:
         raise UsageError("--val-data needs --data (the built-in corpus has its own split)")
+    if args.train_tokenizer is not None:
+        _check_train_tokenizer(args)
     try:
-        args.tokenizer_vocab = load_tokenizer(args.tokenizer).vocab_size
+        args.tokenizer_vocab = args.train_tokenizer or load_tokenizer(args.tokenizer).vocab_size
         for flag, specs in (("--data", args.data), ("--val-data", args.val_data)):
             if specs:
                 files, _ = resolve_paths(specs, flag)
@@ -572,6 +583,30 @@ def _check_data(args: argparse.Namespace) -> None:
                     )
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def _check_train_tokenizer(args: argparse.Namespace) -> None:
+    from zeropp_jax.train.corpus import TOKEN_FILE_SUFFIX
+    from zeropp_jax.train.tokenizer import BYTES
+
+    n = args.train_tokenizer
+    if not args.data:
+        raise UsageError(
+            f"--train-tokenizer {n} learns from --data text; give --data (for the built-in "
+            "corpus, zeropp-tokenize --vocab-size N writes token files)"
+        )
+    if args.tokenizer != BYTES:
+        raise UsageError(
+            f"--train-tokenizer {n} learns the tokenizer; drop --tokenizer {args.tokenizer}"
+        )
+    for spec in args.data + (args.val_data or []):
+        if spec.endswith(TOKEN_FILE_SUFFIX):
+            raise UsageError(f"--train-tokenizer {n}: {spec} is already a token file; give text")
+    if not 256 < n <= 2**16:
+        raise UsageError(
+            f"--train-tokenizer {n}: a byte-level BPE needs more than the 256 byte ids and at "
+            "most 65536 (a uint16 token file); pick a size in 257..65536"
+        )
 
 
 def _resolve_model(args: argparse.Namespace) -> None:

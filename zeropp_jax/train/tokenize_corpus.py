@@ -92,6 +92,23 @@ def _byte_corpus(args: argparse.Namespace):
     return data.load_corpus(max_bytes=args.max_corpus_mb * 2**20)
 
 
+def learn_for_run(args: argparse.Namespace, out: str) -> None:
+    """`zeropp-train --train-tokenizer N`: learns a byte-level BPE of N ids from the
+    training split of `--data` (as `zeropp-tokenize --vocab-size N`) and saves it to
+    `args.tokenizer` (`OUT/tokenizer.json`), which the trainer then encodes its text with.
+    One process (the whole corpus is read).
+
+    Raises:
+      ValueError: no text to learn from (see `zeropp_jax.train.corpus.load_corpus`).
+    """
+    from zeropp_jax.train.tokenizer import train_bpe
+
+    corpus = _byte_corpus(args)
+    tokenizer = train_bpe(text_chunks(corpus.train), args.train_tokenizer)
+    os.makedirs(out, exist_ok=True)
+    tokenizer.hf.save(args.tokenizer)
+
+
 def _encode_to(path: str, tokenizer, tokens) -> tuple[int, int]:
     """Encodes a split piece by piece into a token file; (tokens, bytes)."""
     from zeropp_jax.train.corpus import TOKEN_DTYPE
