@@ -47,6 +47,8 @@ import convergence  # noqa: E402
 VARIANTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "muon_zeropp": ("muon", "zeropp", ("--optimizer", "muon")),
     "muon_xla_fsdp": ("muon", "xla-fsdp", ("--optimizer", "muon", "--engine", "xla-fsdp")),
+    # The diagnosis of a gap: the engine unquantized (plain ZeRO-3, bfloat16 compute).
+    "muon_zero3": ("muon", "zero3", ("--optimizer", "muon", "--engine", "zero3")),
     "adamw_zeropp": ("adamw", "zeropp", ("--optimizer", "adamw")),
     "adamw_xla_fsdp": ("adamw", "xla-fsdp", ("--optimizer", "adamw", "--engine", "xla-fsdp")),
 }
@@ -82,7 +84,7 @@ def phase_ledger(variant: str, schedule: convergence.Schedule) -> dict[str, Any]
     import zeropp_jax as zpp
     from zeropp_jax.baselines import step_ledger
     from zeropp_jax.train import cli, optimizers
-    from zeropp_jax.train.flags import gpt_config, parse_args
+    from zeropp_jax.train.flags import gpt_config, parse_args, zeropp_config
     from zeropp_jax.train.model import GPT, init_fn, param_count
 
     optimizer, engine, flags = VARIANTS[variant]
@@ -99,7 +101,7 @@ def phase_ledger(variant: str, schedule: convergence.Schedule) -> dict[str, Any]
     else:
         state = zpp.TrainState.abstract(
             apply_fn=GPT(gpt).apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh,
-            config=zpp.ZeroPPConfig(),
+            config=zeropp_config(args),
         )  # fmt: skip
         ledger = zpp.comm_ledger(
             zpp.shard(cli.train_step), state, batch, compiled=True, param_count=param_count(gpt)
@@ -135,7 +137,7 @@ def rows_of(
         prov = json.loads((out / "run.json").read_text()).get("provenance", {})
         optimizer, engine, _ = VARIANTS[run.name]
         ledger = summary.get("ledger", {})
-        key = "XLA FSDP" if engine == "xla-fsdp" else "ZeRO++"
+        key = {"xla-fsdp": "XLA FSDP", "zero3": "ZeRO-3"}.get(engine, "ZeRO++")
         phases_path = out / "phases.json"
         if not phases_path.exists():
             phases_path.write_text(json.dumps(phase_ledger(run.name, schedule), indent=1))
