@@ -47,6 +47,8 @@ import convergence  # noqa: E402
 VARIANTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "muon_zeropp": ("muon", "zeropp", ("--optimizer", "muon")),
     "muon_xla_fsdp": ("muon", "xla-fsdp", ("--optimizer", "muon", "--engine", "xla-fsdp")),
+    # The diagnosis of a gap: the engine unquantized (plain ZeRO-3, bfloat16 compute).
+    "muon_zero3": ("muon", "zero3", ("--optimizer", "muon", "--engine", "zero3")),
     "adamw_zeropp": ("adamw", "zeropp", ("--optimizer", "adamw")),
     "adamw_xla_fsdp": ("adamw", "xla-fsdp", ("--optimizer", "adamw", "--engine", "xla-fsdp")),
 }
@@ -82,7 +84,7 @@ def phase_ledger(variant: str, schedule: convergence.Schedule) -> dict[str, Any]
     import zeropp_jax as zpp
     from zeropp_jax.baselines import step_ledger
     from zeropp_jax.train import cli, optimizers
-    from zeropp_jax.train.flags import gpt_config, parse_args
+    from zeropp_jax.train.flags import gpt_config, parse_args, zeropp_config
     from zeropp_jax.train.model import GPT, init_fn, param_count
 
     optimizer, engine, flags = VARIANTS[variant]
@@ -99,7 +101,7 @@ def phase_ledger(variant: str, schedule: convergence.Schedule) -> dict[str, Any]
     else:
         state = zpp.TrainState.abstract(
             apply_fn=GPT(gpt).apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh,
-            config=zpp.ZeroPPConfig(),
+            config=zeropp_config(args),
         )  # fmt: skip
         ledger = zpp.comm_ledger(
             zpp.shard(cli.train_step), state, batch, compiled=True, param_count=param_count(gpt)
@@ -135,7 +137,7 @@ def rows_of(
         prov = json.loads((out / "run.json").read_text()).get("provenance", {})
         optimizer, engine, _ = VARIANTS[run.name]
         ledger = summary.get("ledger", {})
-        key = "XLA FSDP" if engine == "xla-fsdp" else "ZeRO++"
+        key = {"xla-fsdp": "XLA FSDP", "zero3": "ZeRO-3"}.get(engine, "ZeRO++")
         phases_path = out / "phases.json"
         if not phases_path.exists():
             phases_path.write_text(json.dumps(phase_ledger(run.name, schedule), indent=1))
@@ -251,7 +253,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     p.add_argument("--variants", default=None, help="comma-separated subset, in order")
     p.add_argument("--steps", type=int, default=None, help="steps per run (800)")
-    p.add_argument("--budget-min", type=float, default=25.0, help="wall-time bound")
+    p.add_argument(
+        "--budget-min",
+        type=float,
+        default=25.0,
+        help="wall-time bound: a run is started only if the longest finished run would fit",
+    )
     p.add_argument("--report-only", action="store_true", help="rewrite the tables only")
     p.add_argument("--out", type=pathlib.Path, default=None)
     args = p.parse_args(argv)
@@ -291,19 +298,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     log(f"on {machine}")
     start = time.time()
-    status.update(
-        convergence.run_study(
-            [r for n in names for r in runs if r.name == n],
-            schedule,
-            root,
-            write,
-            deadline=start + 60 * args.budget_min,
-            in_process=False,
-            machine=machine,
-            log=log,
-            report_only=args.report_only,
+    deadline = start + 60 * args.budget_min
+    longest = 0.0  # the longest run so far: a run that would not finish in time is not started
+    for name in names:
+        run = next(r for r in runs if r.name == name)
+        began = time.time()
+        if longest and began + 1.2 * longest > deadline and not args.report_only:
+            if not convergence._matches(root / run.path, run.command(schedule, root / run.path)):
+                status[name] = "skipped (would not finish within --budget-min)"
+                log(f"{name}: {status[name]}")
+                continue
+        status.update(
+            convergence.run_study(
+                [run],
+                schedule,
+                root,
+                write,
+                deadline=deadline,
+                in_process=False,
+                machine=machine,
+                log=log,
+                report_only=args.report_only,
+            )
         )
-    )
+        if status[name] == "done":
+            longest = max(longest, time.time() - began)
     write()
     log(f"done: {status} in {time.time() - start:.0f} s")
     return 0

@@ -1,5 +1,6 @@
 """Test setup: 8 emulated CPU devices, configured before JAX initialises its backends; and
-`compile_cache`, a fixture for tests that compile the same programs several times."""
+`compile_cache` / `module_compile_cache`, fixtures for a test / a module whose runs compile
+the same programs several times."""
 
 import os
 
@@ -22,11 +23,9 @@ import pytest  # noqa: E402
 jax.config.update("jax_platforms", "cpu")
 
 
-@pytest.fixture
-def compile_cache(tmp_path, request):
-    """A persistent compilation cache in this test's own folder, for the in-process runs
-    of one test that compile the same programs (a run, then its resumption); the previous
-    settings come back afterwards."""
+def _use_compile_cache(directory):
+    """Points JAX's persistent compilation cache at `directory` (every compile is kept);
+    returns what puts the previous settings back."""
     from jax.experimental.compilation_cache import compilation_cache
 
     def use(directory, min_secs):
@@ -38,5 +37,22 @@ def compile_cache(tmp_path, request):
         jax.config.jax_compilation_cache_dir,
         jax.config.jax_persistent_cache_min_compile_time_secs,
     )
-    use(str(tmp_path / "jax-cache"), 0.0)
-    request.addfinalizer(lambda: use(*old))
+    use(str(directory), 0.0)
+    return lambda: use(*old)
+
+
+@pytest.fixture
+def compile_cache(tmp_path, request):
+    """A persistent compilation cache in this test's own folder, for the in-process runs
+    of one test that compile the same programs (a run, then its resumption); the previous
+    settings come back afterwards."""
+    request.addfinalizer(_use_compile_cache(tmp_path / "jax-cache"))
+
+
+@pytest.fixture(scope="module")
+def module_compile_cache(tmp_path_factory):
+    """`compile_cache` for a whole module: its tests and module fixtures compile the same
+    programs."""
+    restore = _use_compile_cache(tmp_path_factory.mktemp("jax-cache"))
+    yield
+    restore()

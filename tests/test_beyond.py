@@ -4,12 +4,11 @@ format; stochastic rounding against a Hoeffding bound on the mean of many draws.
 
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from _support import batch, engine
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
@@ -293,33 +292,8 @@ def test_hierarchical_gather_with_requantized_stage2(bits, local_bits):
 # ----------------------------------------------------------------------------- engine
 
 
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(3)(jnp.tanh(nn.Dense(37)(x)))
-
-
-def train_step(state, batch):
-    def loss_fn(params):
-        return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), {"loss": loss}
-
-
-def batch(seed):
-    rs = np.random.RandomState(seed)
-    x = rs.randn(16, 11).astype(np.float32)
-    return {"x": x, "y": np.tanh(x[:, :3])}
-
-
 def run(config, steps=2, mesh_shape=(2, 4)):
-    mesh = make_mesh(*mesh_shape)
-    params = Net().init(jax.random.key(0), batch(0)["x"])["params"]
-    state = zpp.TrainState.create(
-        apply_fn=Net().apply, params=params, tx=optax.sgd(0.1), mesh=mesh, config=config
-    )
-    step = zpp.shard(train_step, mesh=mesh, config=config)
+    state, step = engine(config, mesh_shape)
     for i in range(steps):
         state, _ = step(state, batch(i))
     return state, step
@@ -355,11 +329,7 @@ def test_engine_stochastic_rounding_reproducible_and_keyed_by_step():
 def test_engine_gradients_with_stochastic_rounding_differ_per_step():
     # The same batch at two steps: the gradients (hence the updates) differ only through
     # the step-keyed rounding noise.
-    mesh = make_mesh(2, 4)
-    params = Net().init(jax.random.key(0), batch(0)["x"])["params"]
-    state = zpp.TrainState.create(
-        apply_fn=Net().apply, params=params, tx=optax.sgd(0.1), mesh=mesh, config=SR
-    )
+    state, _ = engine(SR)
 
     def grads(state):
         def loss_fn(p):

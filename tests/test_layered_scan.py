@@ -261,7 +261,22 @@ KEPT_STATE = {
 reference, and with error feedback each gradient hop's residual."""
 
 
-@pytest.mark.parametrize("name", list(KEPT_STATE))
+def stacked():
+    model = stack("none")
+    return model.apply, model.init(jax.random.key(0), data(0)["x"])["params"]
+
+
+KEPT_CASES = {
+    "delta": (stacked, "delta", WIDTH * 2 * WIDTH * 4, 2),
+    "delta_feedback": (stacked, "delta_feedback", WIDTH * 2 * WIDTH * 4, 2),
+    "delta_axis_one": (axis_one, "delta", WIDTH * WIDTH * 4, 1),
+}
+"""Per case: the model, the config, bytes of one gathered float32 layer of each stacked
+matrix, and how many stacked matrices. `axis_one` stores its layer axis at 1: its
+reference is re-laid out per step by one all-to-all over `local`."""
+
+
+@pytest.mark.parametrize("name", list(KEPT_CASES))
 def test_weight_deltas_and_error_feedback_gather_and_reduce_each_layer(name, monkeypatch):
     """int4 weight deltas (and error feedback) on a scanned model: each layer is gathered
     over `local` from its slice of the kept reference (the cross-node delta hop runs once
@@ -272,16 +287,16 @@ def test_weight_deltas_and_error_feedback_gather_and_reduce_each_layer(name, mon
     and residuals included, agree to float summation order (the two programs' backward
     sums differ in order: about 1 ulp, not bitwise equal). The per-layer route holds less
     than the whole stacks in its temporaries."""
-    config = KEPT_STATE[name]
-    model = stack("none")
-    params = model.init(jax.random.key(0), data(0)["x"])["params"]
+    make, config_name, layer, matrices = KEPT_CASES[name]
+    config = KEPT_STATE[config_name]
+    apply, params = make()
     mesh = zpp.make_mesh(2, 4)
     runs = {}
     for route in ("layered", "whole"):
         if route == "whole":
             monkeypatch.setattr(placement, "_place_scan", lambda *args: None)
         state = zpp.TrainState.create(
-            apply_fn=model.apply, params=params, tx=TX, mesh=mesh, config=config
+            apply_fn=apply, params=params, tx=TX, mesh=mesh, config=config
         )
         step = zpp.shard(train_step)
         with warnings.catch_warnings(record=True) as caught:
@@ -305,21 +320,23 @@ def test_weight_deltas_and_error_feedback_gather_and_reduce_each_layer(name, mon
         strict=True,
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    # Per stacked leaf (two (WIDTH, 2 WIDTH) matrices): one int4 delta hop across nodes
-    # (values and scales), then each layer gathered over `local` in the forward and again
-    # in the backward (hpZ from the reference), LAYERS times; nothing whole.
-    layer = WIDTH * 2 * WIDTH * 4
+    # Per sharded leaf one int4 delta hop across nodes (values and scales); then each layer
+    # of each stacked matrix gathered over `local` in the forward and again in the
+    # backward (hpZ from the reference), LAYERS times. Gathered whole: at most the stacks
+    # of per-layer vectors (a bias), which a loop gathers before it, as without deltas.
     count = {}
     for r in ledger.records:
-        assert placement.WHOLE_SCOPE not in r.op_name, r
+        if placement.WHOLE_SCOPE in r.op_name:
+            assert r.out_bytes <= LAYERS * WIDTH * 4, r
         if r.op == "all-gather":
             key = (r.phase, r.axes, r.out_bytes)
             count[key] = count.get(key, 0) + r.trip_count
     node = {k: n for k, n in count.items() if k[1] == ("node",)}
-    assert sum(node.values()) == 2 * 2, ledger.to_markdown()
-    assert count[("forward", ("local",), layer)] == 2 * LAYERS, ledger.to_markdown()
-    assert count[("backward", ("local",), layer)] == 2 * LAYERS, ledger.to_markdown()
+    sharded = sum(lo.sharded for lo in state.layouts[1])
+    assert sum(node.values()) == 2 * sharded, ledger.to_markdown()
+    assert count[("forward", ("local",), layer)] == matrices * LAYERS, ledger.to_markdown()
+    assert count[("backward", ("local",), layer)] == matrices * LAYERS, ledger.to_markdown()
     whole_gathers = [r for r in whole_ledger.records if placement.WHOLE_SCOPE in r.op_name]
-    assert {r.out_bytes for r in whole_gathers if r.op == "all-gather"} == {LAYERS * layer}
-    # The whole route holds both stacks gathered; the layered one about a layer of each.
-    assert whole_temp - temp >= (LAYERS - 1) * 2 * layer, (temp, whole_temp)
+    assert max(r.out_bytes for r in whole_gathers if r.op == "all-gather") >= LAYERS * layer
+    # The whole route holds the stacks gathered; the layered one about a layer of each.
+    assert whole_temp - temp >= (LAYERS - 1) * matrices * layer, (temp, whole_temp)

@@ -1,7 +1,10 @@
 """Planning from shapes: `zeropp-train --plan` against XLA's memory analysis of the step
 built from arrays, the analytic estimate's terms, the presets and `--remat`."""
 
+import contextlib
 import dataclasses
+import functools
+import io
 import re
 
 import jax
@@ -27,14 +30,31 @@ def _bytes(report: str, label: str) -> tuple[float, float]:
     return float(value) * scale, 0.5e-3 * scale
 
 
+@pytest.fixture(scope="module")
+def plan_report(module_compile_cache):
+    """`zeropp-train --plan` with PLAN_FLAGS and these flags: what it printed (each set of
+    flags planned once per module)."""
+
+    @functools.cache
+    def report(*flags: str) -> str:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert cli.main([*PLAN_FLAGS, "--plan", *flags]) == 0
+        return printed.getvalue()
+
+    return report
+
+
+ZEROPP_PLAN = ("--engine", "zeropp", "--shared-grad", "once")
+"""The default ZeRO++ plan, its defaults spelled out (shared by the two tests below)."""
+
+
 @pytest.mark.parametrize("engine", ["zeropp", "xla-fsdp"])
-def test_plan_prints_the_memory_analysis_of_the_step_built_from_arrays(
-    engine, capsys, compile_cache
-):
+def test_plan_prints_the_memory_analysis_of_the_step_built_from_arrays(engine, plan_report):
     # The step from arrays is the step `--plan` compiled from shapes: its compile finds the
-    # program in `compile_cache` (a program that differs misses the cache and compiles anew).
-    assert cli.main([*PLAN_FLAGS, "--engine", engine, "--plan"]) == 0
-    report = capsys.readouterr().out
+    # program in `module_compile_cache` (a program that differs misses the cache and
+    # compiles anew).
+    report = plan_report(*(ZEROPP_PLAN if engine == "zeropp" else ("--engine", engine)))
     assert "Compiled from shapes; nothing was allocated." in report
     # the same step, built from real arrays the way a training run builds it
     args = parse_args([*PLAN_FLAGS, "--engine", engine])
@@ -69,12 +89,12 @@ def test_plan_prints_the_memory_analysis_of_the_step_built_from_arrays(
     assert re.search(r"per node link, each way\s+[0-9.]+ MB", report)
 
 
-def test_plan_with_per_use_shared_gradients(capsys):
+def test_plan_with_per_use_shared_gradients(plan_report):
     """`--shared-grad per_use`: the plan names it, and its estimate holds no tied gradient
     through the backward (the default holds the head's, in bfloat16)."""
-    for shared_grad, held in (("once", True), ("per_use", False)):
-        assert cli.main([*PLAN_FLAGS, "--plan", "--shared-grad", shared_grad]) == 0
-        report = capsys.readouterr().out
+    per_use = ("--engine", "zeropp", "--shared-grad", "per_use")
+    for flags, held in ((ZEROPP_PLAN, True), (per_use, False)):
+        report = plan_report(*flags)
         assert ("tied gradients reduced per use" in report) is not held
         assert (_bytes(report, "whole_leaves")[0] > 0) is held
 

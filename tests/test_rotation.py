@@ -5,12 +5,11 @@ engine (the ledger's bytes do not change)."""
 
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from _support import batch, engine
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
@@ -258,35 +257,6 @@ def test_rotated_feedback_sums_lose_only_the_last_residuals():
 
 
 # ----------------------------------------------------------------------------- engine
-
-
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(3)(jnp.tanh(nn.Dense(37)(x)))
-
-
-def train_step(state, batch):
-    def loss_fn(params):
-        return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), {"loss": loss}
-
-
-def batch(seed):
-    rs = np.random.RandomState(seed)
-    x = rs.randn(16, 11).astype(np.float32)
-    return {"x": x, "y": np.tanh(x[:, :3])}
-
-
-def engine(config):
-    mesh = make_mesh(2, 4)
-    params = Net().init(jax.random.key(0), batch(0)["x"])["params"]
-    state = zpp.TrainState.create(
-        apply_fn=Net().apply, params=params, tx=optax.sgd(0.1), mesh=mesh, config=config
-    )
-    return state, zpp.shard(train_step, mesh=mesh, config=config)
 
 
 def test_engine_rotated_hops_train_and_send_the_same_bytes():

@@ -8,7 +8,6 @@ import json
 import shutil
 import sysconfig
 
-import jax
 import numpy as np
 import pytest
 
@@ -25,18 +24,9 @@ def _steps(out):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, module_compile_cache):
     """A 20-step run on a text file (textwrap.py), and one on the same bytes as a .bin."""
-    from jax.experimental.compilation_cache import compilation_cache
-
     root = tmp_path_factory.mktemp("runs")
-    old = (
-        jax.config.jax_compilation_cache_dir,
-        jax.config.jax_persistent_cache_min_compile_time_secs,
-    )
-    jax.config.update("jax_compilation_cache_dir", str(root / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    compilation_cache.reset_cache()
     text = root / "textwrap.py"
     shutil.copy(f"{sysconfig.get_paths()['stdlib']}/textwrap.py", text)
     tokens = root / "textwrap.bin"
@@ -48,10 +38,7 @@ def runs(tmp_path_factory):
     argv = [*FLAGS, "--data", str(tokens), "--vocab-size", "256", "--save-every", "10"]
     argv += ["--out", str(root / "bin")]
     assert cli.main(argv) == 0
-    yield root
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-    compilation_cache.reset_cache()
+    return root
 
 
 def test_a_text_file_and_its_token_file_train_alike_and_resume_exactly(runs):

@@ -22,7 +22,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from zeropp_jax import collectives, dataflow, placement, tensor_parallel, weight_gather
+from zeropp_jax import collectives, dataflow, placement, relayout, tensor_parallel, weight_gather
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax.choices import gather_spec, resolve_codec, rounding_key
@@ -304,12 +304,18 @@ class LeafGathers:
     def residuals(self, leaf: int) -> Any:
         return self.res[leaf]
 
-    def layer_fixed(self, leaf: int, fixed: Any, layer: jax.Array) -> Any:
+    def layer_fixed(self, leaf: int, fixed: Any, layout: part.LeafLayout, layer: jax.Array) -> Any:
         key, ref = fixed
         if ref is None:
             return fixed
-        lo = self.layouts[leaf]
-        return key, part.layer_of_pieces(ref, lo.lead, lo.padded // self.num_devices, layer)
+        piece = layout.padded // self.num_devices
+        return key, part.layer_of_pieces(ref, layout.lead, piece, layer)
+
+    def relaid_fixed(self, leaf: int, fixed: Any, axis: int) -> Any:
+        key, ref = fixed
+        if ref is None:
+            return fixed
+        return key, relayout.reference_to_front(ref, self.layouts[leaf], axis)
 
     def has_reference(self, leaf: int) -> bool:
         return self.refs[leaf] is not None

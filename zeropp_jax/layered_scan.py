@@ -88,7 +88,7 @@ class Loop:
         for k, (leaf, f) in enumerate(zip(self.leaves, fixed, strict=True)):
             ids = self.stored_layers[k] if self.stored_layers else None
             layer = i if ids is None else jnp.asarray(ids, jnp.int32)[i]
-            out.append(self.gathers.layer_fixed(leaf, f, layer))
+            out.append(self.gathers.layer_fixed(leaf, f, self.layouts[k], layer))
         return out
 
     def residuals_at(self, residuals: list[Any], i: Any) -> list[Any]:

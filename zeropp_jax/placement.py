@@ -27,8 +27,8 @@ value (its per-device shard, not yet gathered):
   (one more reduction of the leaf per extra use, nothing full-size held);
 - a weight read inside a `cond` or `while`, or by a scan this module does not rebuild (a
   weight among its constants or carry, a chain that merges or broadcasts the layer axis,
-  a tensor-parallel, weight-delta or error-feedback leaf scanned over an axis other than 0,
-  an error-feedback leaf whose scan does not read every layer once), is gathered whole at
+  a tensor-parallel or error-feedback leaf scanned over an axis other than 0, an
+  error-feedback leaf whose scan does not read every layer once), is gathered whole at
   that point, with a warning naming the leaf.
 
 Order comes from data dependencies, not from the scheduler: `_barrier` ties each gather's
@@ -473,10 +473,8 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
         if not lo.stacked:
             # Per-layer vectors (biases, norm scales) are small: gathered whole, before the loop.
             xs[i] = _materialize(ctx, x, None)
-        elif view.axis != 0 and (
-            lo.tensor_parallel or g.has_reference(x.leaf) or g.residuals(x.leaf)
-        ):
-            # Re-laid out, a layer's reference and residuals would need the same all-to-all.
+        elif view.axis != 0 and (lo.tensor_parallel or g.residuals(x.leaf)):
+            # Re-laid out, a layer's residuals would need the same all-to-all, both ways.
             return None
         elif g.residuals(x.leaf) and sorted(view.layers(length)) != list(range(lo.shape[0])):
             # Every layer's residual is sent once per step, also for a layer the scan skips.
@@ -491,12 +489,14 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
     tie = dataflow.first_array(init) if ctx.tie is None or not ctx.prefetch else ctx.tie
     first = dataflow.first_array(init)
     ctx.tie = ctx.tie if first is None else first
-    layouts, stacks, stored = [], [], []
+    layouts, stacks, stored, fixed = [], [], [], []
     for i, view in zip(matrices, views, strict=True):
         lz, lo = xs[i], g.layout(xs[i].leaf)
         stack = lz.shard
+        fixed.append(g.fixed(lz.leaf))
         if view.axis != 0:
             stack = relayout.layers_to_front(stack, lo, view.axis)
+            fixed[-1] = g.relaid_fixed(lz.leaf, fixed[-1], view.axis)
             lo = relayout.layout(lo, view.axis, g.num_devices)
         layers = view.layers(length)
         if layers != list(range(lo.shape[0])):
@@ -523,7 +523,7 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
         list(consts),
         list(init),
         [xs[i] for i in plain_pos],
-        [g.fixed(xs[i].leaf) for i in matrices],
+        fixed,
         tie,
         [g.residuals(xs[i].leaf) for i in matrices],
     )

@@ -9,7 +9,9 @@ ceil(D / N)`), so that device j then holds, for each layer along `a`, a contiguo
 `1 / N` of that layer: a stack the layered scan gathers per layer like any other. The
 all-to-all moves the float32 master shard (each device sends `(N - 1) / N` of its
 shard); its transpose, another all-to-all, returns the reduced per-layer gradient pieces
-unquantized. Runs inside the shard_map island; shapes are per device.
+unquantized. With weight deltas, `reference_to_front` re-lays out the kept reference (the
+secondary shard) alike, by one all-to-all over `local`. Runs inside the shard_map
+island; shapes are per device.
 """
 
 from __future__ import annotations
@@ -58,3 +60,52 @@ def layers_to_front(shard: jax.Array, stored: part.LeafLayout, axis: int) -> jax
     x = jnp.swapaxes(x.reshape(n, rows, -1), 0, 1).reshape(rows, -1)[:, : stored.cols]
     x = jnp.moveaxis(x.reshape(rows, *shape[1:]), axis, 0)
     return x.reshape(shape[axis], -1)
+
+
+def reference_to_front(
+    reference: jax.Array,
+    stored: part.LeafLayout,
+    axis: int,
+    *,
+    node_axis: str = "node",
+    local_axis: str = "local",
+) -> jax.Array:
+    """A weight-delta reference of a stacked leaf (see `zeropp_jax.delta`) -> the reference
+    of the stack `layers_to_front` makes, laid out as `layout(stored, axis, N)`.
+
+    Device `(n, l)` holds the secondary shard of local rank `l`: the pieces of devices
+    `l * num_nodes + n'` for every node `n'`, each all of the leaf's axis-0 rows, one
+    column block. The re-laid-out pieces of the devices of local rank `l2` are blocks of
+    rows of every column block, so every local rank sends each other one the row blocks of
+    its pieces: one all-to-all over `local` (within a node), in the reference's dtype.
+
+    Args:
+      reference: per-device reference `(num_nodes * D * C / N,)`.
+      stored: the leaf's layout (stacked, not split over `model`).
+      axis: the leaf's axis the scan runs over (>= 1).
+      node_axis: name of the inter-node mesh axis.
+      local_axis: name of the intra-node mesh axis.
+
+    Returns:
+      `(num_nodes * layers * ceil(D / N) * values per row of one layer,)`: the
+      secondary shard of the re-laid-out pieces, in node order.
+    """
+    if not stored.stacked or stored.tensor_parallel or axis < 1:
+        raise ValueError(
+            f"reference_to_front needs a stacked leaf not split over 'model' and an axis >= 1; "
+            f"got shape {stored.shape} (model_dim={stored.model_dim}), axis {axis}."
+        )
+    nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
+    n = nn * ll
+    shape = stored.shape
+    rows = -(-shape[0] // n)
+    x = reference.reshape(nn, shape[0], -1)
+    x = jnp.pad(x, ((0, 0), (0, rows * n - shape[0]), (0, 0)))
+    # (source node, target local, target node, rows, column block)
+    x = x.reshape(nn, ll, nn, rows, x.shape[-1])
+    # (source node, source local, target node, ...): local rank l2 gets its row blocks.
+    x = lax.all_to_all(x, local_axis, 1, 1, tiled=True)
+    # Per target node: the rows of its block, column blocks in partition order (l, n').
+    x = jnp.transpose(x, (2, 3, 1, 0, 4)).reshape(nn, rows, -1)[:, :, : stored.cols]
+    x = jnp.moveaxis(x.reshape(nn, rows, *shape[1:]), axis + 1, 1)
+    return x.reshape(-1)
