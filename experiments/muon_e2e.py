@@ -49,6 +49,8 @@ VARIANTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "muon_xla_fsdp": ("muon", "xla-fsdp", ("--optimizer", "muon", "--engine", "xla-fsdp")),
     # The diagnosis of a gap: the engine unquantized (plain ZeRO-3, bfloat16 compute).
     "muon_zero3": ("muon", "zero3", ("--optimizer", "muon", "--engine", "zero3")),
+    # Is it the int4 gradients? ZeRO++ with 8-bit gradient hops (weights still int8).
+    "muon_zeropp_g8": ("muon", "zeropp", ("--optimizer", "muon", "--grad-bits", "8")),
     "adamw_zeropp": ("adamw", "zeropp", ("--optimizer", "adamw")),
     "adamw_xla_fsdp": ("adamw", "xla-fsdp", ("--optimizer", "adamw", "--engine", "xla-fsdp")),
 }
