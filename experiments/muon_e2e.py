@@ -51,6 +51,8 @@ VARIANTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "muon_zero3": ("muon", "zero3", ("--optimizer", "muon", "--engine", "zero3")),
     # Is it the int4 gradients? ZeRO++ with 8-bit gradient hops (weights still int8).
     "muon_zeropp_g8": ("muon", "zeropp", ("--optimizer", "muon", "--grad-bits", "8")),
+    # Or int4 gradients with error feedback on the cross-node hop.
+    "muon_zeropp_ef": ("muon", "zeropp", ("--optimizer", "muon", "--error-feedback", "node")),
     "adamw_zeropp": ("adamw", "zeropp", ("--optimizer", "adamw")),
     "adamw_xla_fsdp": ("adamw", "xla-fsdp", ("--optimizer", "adamw", "--engine", "xla-fsdp")),
 }
