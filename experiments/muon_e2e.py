@@ -53,6 +53,7 @@ VARIANTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "muon_zeropp_g8": ("muon", "zeropp", ("--optimizer", "muon", "--grad-bits", "8")),
     # Or int4 gradients with error feedback on the cross-node hop.
     "muon_zeropp_ef": ("muon", "zeropp", ("--optimizer", "muon", "--error-feedback", "node")),
+    "muon_zeropp_ef_all": ("muon", "zeropp", ("--optimizer", "muon", "--error-feedback", "all")),
     "adamw_zeropp": ("adamw", "zeropp", ("--optimizer", "adamw")),
     "adamw_xla_fsdp": ("adamw", "xla-fsdp", ("--optimizer", "adamw", "--engine", "xla-fsdp")),
 }
