@@ -212,16 +212,7 @@ def build_step(engine: str, model: str, mesh: Any) -> Step:
 
         def estimate(platform):
             return plan.estimate(
-                gpt,
-                state=state,
-                layouts=state.layouts[1],
-                weight_bits=config.weight_bits,
-                weight_block_size=config.weight_block_size,
-                hierarchical=config.hierarchical,
-                prefetch=config.prefetch,
-                per_use_reduce=config.shared_grad == "per_use",
-                platform=platform,
-                **kw,
+                gpt, state=state, layouts=state.layouts[1], config=config, platform=platform, **kw
             )
 
     return Step(

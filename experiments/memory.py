@@ -120,17 +120,7 @@ def measure(
             apply_fn=model.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, config=config
         )
         step = zpp.shard(train_step, donate_state=True)
-        est = plan.estimate(
-            gpt,
-            state=state,
-            layouts=state.layouts[1],
-            weight_bits=config.weight_bits,
-            weight_block_size=config.weight_block_size,
-            hierarchical=config.hierarchical,
-            prefetch=config.prefetch,
-            per_use_reduce=config.shared_grad == "per_use",
-            **kw,
-        )
+        est = plan.estimate(gpt, state=state, layouts=state.layouts[1], config=config, **kw)
     if not compile:
         return {"mesh": f"{nodes}x{local}", "model": size, "engine": engine,
                 "estimate_GB": round(est.total / GB, 3)}  # fmt: skip

@@ -170,6 +170,33 @@ def test_estimate_terms():
     assert on["gpu"].block == z3.block  # without a platform: internals in the compute dtype
 
 
+def test_estimate_takes_its_engine_fields_from_a_config():
+    mesh = zpp.make_mesh(2, 4)
+    gpt = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, scan=True)
+    config = zpp.ZeroPPConfig(weight_block_size=64, prefetch=False, shared_grad="per_use")
+    state = zpp.TrainState.abstract(
+        apply_fn=GPT(gpt).apply,
+        params=init_fn(gpt, 0),
+        tx=optax.adamw(1e-3),
+        mesh=mesh,
+        config=config,
+    )
+    kw = dict(state=state, layouts=state.layouts[1], batch=1, seq=8, mesh_shape=(2, 4))
+    by_hand = plan.estimate(
+        gpt,
+        weight_bits=8,
+        weight_block_size=64,
+        hierarchical=True,
+        prefetch=False,
+        per_use_reduce=True,
+        **kw,
+    )
+    assert plan.estimate(gpt, config=config, **kw) == by_hand
+    assert plan.estimate(gpt, config=config.replace(prefetch=True), **kw) != by_hand
+    with pytest.raises(TypeError, match="config and prefetch"):
+        plan.estimate(gpt, config=config, prefetch=False, **kw)
+
+
 def test_presets_and_their_parameter_counts():
     counts = {k: param_count(v) for k, v in PRESETS.items()}
     assert counts["tiny"] < 1e6

@@ -69,10 +69,37 @@ import dataclasses
 import math
 from typing import Any
 
+from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.train.model import GPTConfig
 
 FLOAT = 4
 GB = 1e9
+
+
+class _Unset:
+    """The default of an `estimate` keyword that a `ZeroPPConfig` may supply instead."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+
+_CONFIG_DEFAULTS: dict[str, Any] = dict(
+    weight_bits=None, weight_block_size=256, hierarchical=False, prefetch=True, per_use_reduce=False
+)
+"""The `estimate` keywords a `ZeroPPConfig` supplies, and their values without one."""
+
+
+def _config_fields(config: ZeroPPConfig) -> dict[str, Any]:
+    """The `estimate` keywords of an engine configuration."""
+    return dict(
+        weight_bits=config.weight_bits,
+        weight_block_size=config.weight_block_size,
+        hierarchical=config.hierarchical,
+        prefetch=config.prefetch,
+        per_use_reduce=config.shared_grad == "per_use",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,12 +200,13 @@ def estimate(
     seq: int,
     mesh_shape: tuple[int, int],
     compute_bytes: int = 2,
-    weight_bits: int | None = None,
-    weight_block_size: int = 256,
-    hierarchical: bool = False,
-    prefetch: bool = True,
+    config: ZeroPPConfig | None = None,
+    weight_bits: int | None = _UNSET,
+    weight_block_size: int = _UNSET,
+    hierarchical: bool = _UNSET,
+    prefetch: bool = _UNSET,
     replicated: bool = False,
-    per_use_reduce: bool = False,
+    per_use_reduce: bool = _UNSET,
     internal_bytes: int | None = None,
     platform: str | None = None,
 ) -> Estimate:
@@ -194,13 +222,19 @@ def estimate(
       seq: tokens per sequence.
       mesh_shape: `(nodes, local)`.
       compute_bytes: bytes per value of the compute dtype.
-      weight_bits: bits of the weight gathers (None: the compute dtype).
+      config: the engine's configuration; it supplies `weight_bits`,
+        `weight_block_size`, `hierarchical`, `prefetch` and `per_use_reduce`
+        (`shared_grad="per_use"`), which are then not to be given. None: those
+        keywords, or their defaults (a state that is not the engine's).
+      weight_bits: bits of the weight gathers (None: the compute dtype). Default None.
       weight_block_size: values per quantization block of the weight gathers.
-      hierarchical: hpZ (a secondary shard per leaf).
-      prefetch: the next layer's weights are gathered while this one runs.
+        Default 256.
+      hierarchical: hpZ (a secondary shard per leaf). Default False.
+      prefetch: the next layer's weights are gathered while this one runs. Default True.
       replicated: plain data parallelism (every device holds everything).
       per_use_reduce: `ZeroPPConfig.shared_grad="per_use"`: the tied embedding's
         gradient is reduced per use, so the head's is not held through the backward.
+        Default False.
       internal_bytes: bytes per value of a block's matmul outputs and elementwise values
         (None: `internal_bytes_for(platform)`, or `compute_bytes` without a platform).
       platform: the platform XLA compiles for (`jax.default_backend()`, e.g. "cpu" or
@@ -210,9 +244,29 @@ def estimate(
 
     Returns:
       The estimate, term by term.
+
+    Raises:
+      TypeError: `config` given together with a keyword it supplies.
     """
     from zeropp_jax.train.model import param_count
 
+    given = dict(
+        weight_bits=weight_bits,
+        weight_block_size=weight_block_size,
+        hierarchical=hierarchical,
+        prefetch=prefetch,
+        per_use_reduce=per_use_reduce,
+    )
+    given = {k: v for k, v in given.items() if v is not _UNSET}
+    if config is not None and given:
+        raise TypeError(
+            f"estimate() got config and {', '.join(given)}: a ZeroPPConfig supplies "
+            f"{', '.join(_CONFIG_DEFAULTS)}. Pass either config or those keywords, not both."
+        )
+    fields = _config_fields(config) if config is not None else {**_CONFIG_DEFAULTS, **given}
+    weight_bits, weight_block_size = fields["weight_bits"], fields["weight_block_size"]
+    hierarchical, prefetch = fields["hierarchical"], fields["prefetch"]
+    per_use_reduce = fields["per_use_reduce"]
     nodes, local = mesh_shape
     n = 1 if replicated else nodes * local
     c = compute_bytes

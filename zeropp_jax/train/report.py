@@ -124,11 +124,7 @@ def plan_report(args: argparse.Namespace, *, train_step: Callable, tx: Any) -> s
         seq=args.seq_len,
         mesh_shape=(nodes, local),
         compute_bytes=int(np.dtype(args.compute_dtype).itemsize),
-        weight_bits=None if config is None else config.weight_bits,
-        weight_block_size=256 if config is None else config.weight_block_size,
-        hierarchical=config is not None and config.hierarchical,
-        prefetch=config is None or config.prefetch,
-        per_use_reduce=config is not None and config.shared_grad == "per_use",
+        config=config,
         platform=jax.default_backend(),
     )
     scale, unit = (plan.GB, "GB") if need.total >= plan.GB else (1e6, "MB")
