@@ -1,4 +1,5 @@
-"""Helpers shared by the experiment scripts: device setup, the machine line, table writers.
+"""Helpers shared by the experiment scripts: device setup, the machine line, table writers,
+and a study's variants, folders and log.
 
 Import this module before `jax` in a script that needs emulated CPU devices: it asks XLA
 for them (`--xla_force_host_platform_device_count`) unless the caller already did.
@@ -6,13 +7,15 @@ for them (`--xla_force_host_platform_device_count`) unless the caller already di
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import os
 import pathlib
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -132,3 +135,42 @@ def worker_or_parent(argv: Sequence[str] | None, worker: Any) -> list[str] | Non
         worker(argv[1:])
         return None
     return argv
+
+
+def chosen_variants(
+    parser: argparse.ArgumentParser, text: str | None, known: Iterable[str], default: Sequence[str]
+) -> tuple[str, ...]:
+    """The variants a `--variants` flag names (comma-separated, in its order), or `default`
+    when it is not given (`text` None or empty); `parser.error`s on a name not in `known`."""
+    known = list(known)
+    if not text:
+        return tuple(default)
+    names = tuple(v.strip() for v in text.split(","))
+    unknown = [v for v in names if v not in known]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {known}")
+    return names
+
+
+def study_dirs(
+    out: pathlib.Path | None, quick: bool, name: str
+) -> tuple[pathlib.Path, pathlib.Path]:
+    """A study's output folder and the folder of its runs, `<out>/<name>` (made): `out` is
+    the `--out` flag, by default `experiments/results/`, or `runs/<name>_quick` with
+    `--quick`."""
+    out = out or (ROOT / "runs" / f"{name}_quick" if quick else RESULTS)
+    root = out / name
+    root.mkdir(parents=True, exist_ok=True)
+    return out, root
+
+
+def file_logger(path: pathlib.Path) -> Callable[[str], None]:
+    """A `log(msg)` that prints `[HH:MM:SS] msg` and appends that line to `path`."""
+
+    def log(msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+    return log

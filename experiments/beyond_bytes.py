@@ -222,26 +222,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps:
         shape["steps"] = args.steps
     schedule = dataclasses.replace(schedule, **shape)
-    names = QUICK_VARIANTS if args.quick else tuple(VARIANTS)
-    if args.variants:
-        names = tuple(v.strip() for v in args.variants.split(","))
-        unknown = [v for v in names if v not in VARIANTS]
-        if unknown:
-            p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    names = _common.chosen_variants(
+        p, args.variants, VARIANTS, QUICK_VARIANTS if args.quick else VARIANTS
+    )
     if "zero3" not in names:
         p.error("--variants must include zero3 (the reference of every gap)")
     seeds = [int(s) for s in args.seeds.split(",")]
-    out = args.out or (_common.ROOT / "runs" / "beyond_quick" if args.quick else _common.RESULTS)
-    root = out / "beyond"
-    root.mkdir(parents=True, exist_ok=True)
+    out, root = _common.study_dirs(args.out, args.quick, "beyond")
     machine = _common.machine_line()
-    log_path = root / "log.txt"
-
-    def log(msg: str) -> None:
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        with open(log_path, "a") as f:
-            f.write(line + "\n")
+    log = _common.file_logger(root / "log.txt")
 
     runs = {
         seed: [

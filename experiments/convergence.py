@@ -507,9 +507,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=pathlib.Path, default=None)
     args = p.parse_args(argv)
 
-    out = args.out or (
-        _common.ROOT / "runs" / "convergence_quick" if args.quick else _common.RESULTS
-    )
     schedule = QUICK if args.quick else MAIN
     if args.steps:
         schedule = dataclasses.replace(schedule, steps=args.steps)
@@ -530,31 +527,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     schedule = dataclasses.replace(schedule, **shape)
     events_schedule = dataclasses.replace(events_schedule, **shape)
-    names = QUICK_VARIANTS if args.quick else tuple(VARIANTS)
-    if args.variants:
-        names = tuple(v.strip() for v in args.variants.split(","))
-        unknown = [v for v in names if v not in VARIANTS]
-        if unknown:
-            p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    names = _common.chosen_variants(
+        p, args.variants, VARIANTS, QUICK_VARIANTS if args.quick else VARIANTS
+    )
     ks = QUICK_KS if args.quick else tuple(int(k) for k in args.ks.split(","))
     if 0 not in ks:
         p.error(f"--ks {args.ks} must include 0 (the reference)")
 
     machine = _common.machine_line()
-    root = out / "convergence"
-    root.mkdir(parents=True, exist_ok=True)
-
-    def logger(path: pathlib.Path):
-        def log(msg: str) -> None:
-            line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-            print(line, flush=True)
-            with open(path, "a") as f:
-                f.write(line + "\n")
-
-        return log
+    out, root = _common.study_dirs(args.out, args.quick, "convergence")
 
     if args.study in ("main", "all"):
-        log = logger(root / "log.txt")
+        log = _common.file_logger(root / "log.txt")
         log(f"main study on {machine}")
         runs = [
             Run(name=n, label=VARIANTS[n][0], path=n, trainer_flags=VARIANTS[n][1]) for n in names
@@ -575,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.study in ("events", "all"):
         stem = events_stem(args.events_bits, args.events_rotation)
         (root / stem).mkdir(parents=True, exist_ok=True)
-        log = logger(root / stem / "log.txt")
+        log = _common.file_logger(root / stem / "log.txt")
         log(f"events study ({stem}) on {machine}")
         runs = event_runs(ks, args.events_bits, events_schedule.seed, args.events_rotation)
         start = time.time()

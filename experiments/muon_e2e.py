@@ -271,23 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     schedule = QUICK if args.quick else SCHEDULE
     if args.steps:
         schedule = dataclasses.replace(schedule, steps=args.steps)
-    names = tuple(VARIANTS)
-    if args.variants:
-        names = tuple(v.strip() for v in args.variants.split(","))
-        unknown = [v for v in names if v not in VARIANTS]
-        if unknown:
-            p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
-    out = args.out or (_common.ROOT / "runs" / "muon_e2e_quick" if args.quick else _common.RESULTS)
-    root = out / "muon_e2e"
-    root.mkdir(parents=True, exist_ok=True)
+    names = _common.chosen_variants(p, args.variants, VARIANTS, VARIANTS)
+    out, root = _common.study_dirs(args.out, args.quick, "muon_e2e")
     machine = _common.machine_line()
-    log_path = root / "log.txt"
-
-    def log(msg: str) -> None:
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        with open(log_path, "a") as f:
-            f.write(line + "\n")
+    log = _common.file_logger(root / "log.txt")
 
     # Every variant is listed (the report shows all finished runs); only `names` train.
     runs = [

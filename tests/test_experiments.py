@@ -317,3 +317,25 @@ def test_worker_rows_passes_the_callers_xla_flags_less_the_device_count(monkeypa
     ]
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     assert _common.worker_rows([sys.executable, "-c", show], "the echo") == [{"flags": None}]
+
+
+def test_study_variants_folders_and_log(tmp_path, capsys):
+    import argparse
+
+    import _common
+
+    p = argparse.ArgumentParser()
+    known = {"zero3": 1, "zeropp": 2, "beyond": 3}
+    assert _common.chosen_variants(p, None, known, ("zero3",)) == ("zero3",)
+    assert _common.chosen_variants(p, "beyond, zero3", known, ()) == ("beyond", "zero3")
+    with pytest.raises(SystemExit):
+        _common.chosen_variants(p, "zero3,zeropq", known, ())
+    assert "unknown variants ['zeropq']" in capsys.readouterr().err
+    out, root = _common.study_dirs(tmp_path / "o", False, "study")
+    assert (out, root) == (tmp_path / "o", tmp_path / "o" / "study") and root.is_dir()
+    log = _common.file_logger(root / "log.txt")
+    log("one")
+    log("two")
+    lines = (root / "log.txt").read_text().splitlines()
+    assert [line.split("] ", 1)[1] for line in lines] == ["one", "two"]
+    assert capsys.readouterr().out.splitlines() == lines
