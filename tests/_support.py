@@ -1,7 +1,15 @@
 """Helpers shared by the test files: a small MLP, its training step and batches, and the
-engine built around them (tests/test_beyond.py, tests/test_rotation.py)."""
+engine built around them (tests/test_beyond.py, tests/test_rotation.py); regression
+batches (tests/test_engine_pallas.py, tests/test_optimizer_shapes.py); one ZeRO++ step on
+the sum of a model's output, and the quantizers' bounds on what it sees and reduces
+(tests/test_layered_scan.py, tests/test_params_pytrees.py); the trainer GPT's abstract
+state (tests/test_plan.py, tests/test_memory.py)."""
 
 from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -10,6 +18,8 @@ import numpy as np
 import optax
 
 import zeropp_jax as zpp
+from zeropp_jax.quant import qmax
+from zeropp_jax.train.model import GPT, GPTConfig, init_fn
 
 
 class Net(nn.Module):
@@ -44,3 +54,66 @@ def engine(config: zpp.ZeroPPConfig, mesh_shape: tuple[int, int] = (2, 4)):
         apply_fn=Net().apply, params=params, tx=optax.sgd(0.1), mesh=mesh, config=config
     )
     return state, zpp.shard(train_step, mesh=mesh, config=config)
+
+
+def regression_batches(n: int, size: int, y_width: int) -> list[dict[str, np.ndarray]]:
+    """`n` global batches of `size` rows: 10 standard normal inputs `x` and `y_width`
+    standard normal targets `y`, drawn in turn from one stream of seed 0."""
+    rs = np.random.RandomState(0)
+    return [
+        {
+            "x": rs.randn(size, 10).astype(np.float32),
+            "y": rs.randn(size, y_width).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def sum_step(state, x):
+    """A step on the sum of the model's output (its gradient is 1 at every output); the
+    metrics hold the output."""
+    out = state.apply_fn({"params": state.params}, x)
+    grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, x)))(state.params)
+    return state.apply_gradients(grads=grads), {"out": out}
+
+
+def zeropp_sum_step(apply_fn: Callable[..., Any], params: Any, x: np.ndarray):
+    """One sharded `sum_step` under ZeRO++'s defaults in float32 compute, SGD at learning
+    rate 1, on a 2x4 mesh, with every warning an error (nothing falls back to a whole-leaf
+    gather). Returns the new state and the metrics."""
+    config = zpp.ZeroPPConfig(compute_dtype=jnp.float32)
+    state = zpp.TrainState.create(
+        apply_fn=apply_fn, params=params, tx=optax.sgd(1.0), mesh=zpp.make_mesh(2, 4), config=config
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return zpp.shard(sum_step)(state, x)
+
+
+def int8_gather_bound(w: np.ndarray) -> float:
+    """How far an int8-gathered `w` may be from `w`: half a step of the largest block."""
+    return np.max(np.abs(w)) / qmax(8) / 2 * (1 + 2.0**-15) + 1e-7
+
+
+def ones_int4_two_hop_bound() -> float:
+    """How far a gradient of 1 per entry, reduced by ZeRO++'s int4 two-hop reduction on a
+    2x4 mesh from 2 rows per device (each row contributing 0 or 1), may be from 1 (less
+    the 1e-5 of float32 sums the callers add). Hop 1 quantizes each of a node's 4
+    contributions (half a step of at most 1 / q each), hop 2 each node's partial sum (at
+    most 1 plus its hop-1 error)."""
+    q4 = qmax(4) / (1 + 2.0**-15)
+    hop1 = 4 * (1.0 / q4) / 2
+    hop2 = 2 * ((1.0 + hop1) / q4) / 2
+    return hop1 + hop2
+
+
+def abstract_gpt_state(gpt: GPTConfig, config: zpp.ZeroPPConfig) -> zpp.TrainState:
+    """The abstract `zpp.TrainState` (shapes and shardings only) of the trainer's
+    `GPT(gpt)`, AdamW at learning rate 1e-3, under `config` on a 2x4 mesh."""
+    return zpp.TrainState.abstract(
+        apply_fn=GPT(gpt).apply,
+        params=init_fn(gpt, 0),
+        tx=optax.adamw(1e-3),
+        mesh=zpp.make_mesh(2, 4),
+        config=config,
+    )

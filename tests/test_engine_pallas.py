@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _support import regression_batches, train_step
 from jax.sharding import PartitionSpec as P
-from test_engine import train_step
 
 import zeropp_jax as zpp
 from zeropp_jax import choices, kernels
@@ -30,14 +30,6 @@ class Tiny(nn.Module):
     @nn.compact
     def __call__(self, x):
         return nn.Dense(3)(jnp.tanh(nn.Dense(24)(x)))
-
-
-def batches(n=3, size=16):
-    rs = np.random.RandomState(0)
-    return [
-        {"x": rs.randn(size, 10).astype(np.float32), "y": rs.randn(size, 3).astype(np.float32)}
-        for _ in range(n)
-    ]
 
 
 def train(config, data):
@@ -68,7 +60,7 @@ def train(config, data):
     ids=["zeropp", "flat"],
 )
 def test_training_with_interpreted_kernels_is_bit_identical(fields):
-    data = batches()
+    data = regression_batches(3, 16, 3)
     cfg = zpp.ZeroPPConfig(weight_block_size=64, grad_block_size=64, **fields)
     ref_params, ref_losses = train(cfg.replace(kernels="xla"), data)
     got_params, got_losses = train(cfg.replace(kernels="pallas_interpret"), data)

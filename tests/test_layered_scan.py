@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _support import int8_gather_bound, ones_int4_two_hop_bound, zeropp_sum_step
 from flax.training import train_state
 
 import zeropp_jax as zpp
 from zeropp_jax import placement
-from zeropp_jax.quant import qmax
 
 EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
 LAYERS, WIDTH, BATCH, STEPS = 2, 16, 16, 2
@@ -215,35 +215,16 @@ def test_zeropp_defaults_on_a_relaid_stack_stay_within_the_quantizer_bound():
         ]
         return jnp.moveaxis(jnp.concatenate(seen), 0, 1)  # (batch, 2 * LAYERS, WIDTH)
 
-    def step(state, x):
-        out = state.apply_fn({"params": state.params}, x)
-        grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, x)))(state.params)
-        return state.apply_gradients(grads=grads), {"out": out}
-
-    config = zpp.ZeroPPConfig(compute_dtype=jnp.float32)
-    state = zpp.TrainState.create(
-        apply_fn=apply, params=params, tx=optax.sgd(1.0), mesh=zpp.make_mesh(2, 4), config=config
-    )
     x = np.eye(WIDTH, dtype=np.float32)  # BATCH rows, 2 per device
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing falls back to a whole-leaf gather
-        new, m = zpp.shard(step)(state, x)
+    new, m = zeropp_sum_step(apply, params, x)  # nothing falls back to a whole-leaf gather
     out = np.asarray(m["out"], np.float64)
     seen = {"moved": out[:, :LAYERS], "front": np.moveaxis(out[:, LAYERS:], 0, 1)}
     got = zpp.gather_params(new)
-    q8 = qmax(8)
-    q4 = qmax(4) / (1 + 2.0**-15)
-    # Each device contributes its 2 rows' entries (0 or 1) to each gradient entry; hop 1
-    # quantizes each of a node's 4 contributions (half a step of at most 1 / q each), hop
-    # 2 each node's partial sum (at most 1 plus its hop-1 error).
-    hop1 = 4 * (1.0 / q4) / 2
-    hop2 = 2 * ((1.0 + hop1) / q4) / 2
     for name, w in params.items():
         w = w.astype(np.float64)
-        bound = np.max(np.abs(w)) / q8 / 2 * (1 + 2.0**-15) + 1e-7
-        assert np.max(np.abs(seen[name] - w)) <= bound, name
+        assert np.max(np.abs(seen[name] - w)) <= int8_gather_bound(w), name
         grad = w - np.asarray(got[name], np.float64)
-        assert np.max(np.abs(grad - 1.0)) <= hop1 + hop2 + 1e-5, name
+        assert np.max(np.abs(grad - 1.0)) <= ones_int4_two_hop_bound() + 1e-5, name
 
 
 # ----------------------------------------------------------------------------- weight deltas

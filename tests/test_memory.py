@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _support import abstract_gpt_state
 from flax.training import train_state
 
 import zeropp_jax as zpp
@@ -177,7 +178,7 @@ def test_per_use_shared_gradient_holds_less_than_a_sum_of_uses():
     lookup's through the whole backward; `"per_use"` reduces it at the head. The
     temporaries drop by at least a quarter of the table in bfloat16 (the end of the
     backward, the lookup's float32 scatter-add, then bounds the peak from below)."""
-    from zeropp_jax.train.model import GPT, GPTConfig, init_fn, loss_fn
+    from zeropp_jax.train.model import GPTConfig, loss_fn
 
     cfg = GPTConfig(
         seq_len=16, d_model=128, n_layers=4, n_heads=4, vocab_size=32768, scan=True,
@@ -192,13 +193,7 @@ def test_per_use_shared_gradient_holds_less_than_a_sum_of_uses():
     temp = {}
     for shared_grad in ("once", "per_use"):
         config = zpp.ZeroPPConfig.zero3(shared_grad=shared_grad)
-        state = zpp.TrainState.abstract(
-            apply_fn=GPT(cfg).apply,
-            params=init_fn(cfg, 0),
-            tx=optax.adamw(1e-3),
-            mesh=zpp.make_mesh(2, 4),
-            config=config,
-        )
+        state = abstract_gpt_state(cfg, config)
         compiled = zpp.shard(step_fn, donate_state=True).lower(state, batch).compile()
         temp[shared_grad] = compiled.memory_analysis().temp_size_in_bytes
     table = cfg.vocab_size * cfg.d_model * 2

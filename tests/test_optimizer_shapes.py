@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _support import regression_batches, train_step
 from flax.core import meta
 from flax.training import train_state
 from optax.contrib import MuonDimensionNumbers
@@ -92,14 +93,6 @@ def loss_fn(params, apply_fn, batch):
     return jnp.mean((out - batch["y"]) ** 2)
 
 
-def batches(n=3, size=64):
-    rs = np.random.RandomState(0)
-    return [
-        {"x": rs.randn(size, 10).astype(np.float32), "y": rs.randn(size, 10).astype(np.float32)}
-        for _ in range(n)
-    ]
-
-
 def stored_grads(grads, state):
     """One-device gradients (model shapes) -> the stored layout the step hands
     `apply_gradients`, sharded like the parameters."""
@@ -130,7 +123,7 @@ def test_shape_reading_optimizers_match_one_device(model_name):
     """Three steps of every optimizer from the same one-device gradients: the sharded
     update (stored layout in, model-shaped views inside) against optax on one device."""
     model, (nodes, local, k) = MODELS[model_name]
-    data = batches()
+    data = regression_batches(3, 64, 10)
     params = model.init(jax.random.key(1), data[0]["x"])["params"]
     mesh = zpp.make_mesh(nodes, local, model_size=k)
     grad_fn = jax.jit(jax.grad(loss_fn), static_argnums=1)
@@ -166,18 +159,13 @@ def test_shape_reading_optimizers_match_one_device(model_name):
         assert any(i is not None for i in mirror), opt
 
 
-def train_step(state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn, batch)
-    return state.apply_gradients(grads=grads), {"loss": loss}
-
-
 @pytest.mark.parametrize("opt", ["adafactor", "muon"])
 def test_end_to_end_on_the_scanned_model_matches_one_device(opt):
     """`zpp.shard` training (the island's gradients and the update on model-shaped views)
     against `jax.jit` on one device, 3 steps, unquantized float32: the three `nn.scan`
     blocks alone (stacked leaves, widths that leave padding on 8 devices)."""
     model = Net(unrolled=0)
-    data = batches()
+    data = regression_batches(3, 64, 10)
     params = model.init(jax.random.key(1), data[0]["x"])["params"]
     tx = OPTIMIZERS[opt]()
     ref = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from test_engine import train_step
-from test_engine_pallas import Tiny, batches
+from _support import regression_batches, train_step
+from test_engine_pallas import Tiny
 
 import pallas_kernels as pk
 import zeropp_jax as zpp
@@ -172,7 +172,7 @@ def test_training_step_lowers_for_cuda_and_sends_what_the_xla_step_sends(
     mesh = zpp.make_mesh(2, 4)
     model = Tiny()
     params = model.init(jax.random.key(0), jnp.ones((1, 10)))["params"]
-    batch = batches(1)[0]
+    batch = regression_batches(1, 16, 3)[0]
 
     def build(config):
         state = zpp.TrainState.create(

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _support import int8_gather_bound, ones_int4_two_hop_bound, zeropp_sum_step
 
 import zeropp_jax as zpp
 from zeropp_jax import baselines, placement
-from zeropp_jax.quant import qmax
 
 EXACT = zpp.ZeroPPConfig(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
 VOCAB, WIDTH, HIDDEN, LAYERS, SEQ = 32, 16, 24, 3, 8
@@ -218,27 +218,10 @@ def test_zeropp_defaults_on_an_equinox_stack_stay_within_the_quantizer_bound():
     def apply(variables, x):
         return eqx.combine(variables["params"], static)(x)
 
-    def step(state, x):
-        out = state.apply_fn({"params": state.params}, x)
-        grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, x)))(state.params)
-        return state.apply_gradients(grads=grads), {"out": out}
-
-    config = zpp.ZeroPPConfig(compute_dtype=jnp.float32)
-    state = zpp.TrainState.create(
-        apply_fn=apply, params=params, tx=optax.sgd(1.0), mesh=zpp.make_mesh(2, 4), config=config
-    )
     x = np.eye(WIDTH, dtype=np.float32)  # WIDTH rows, 2 per device
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no whole-leaf gather
-        new, m = zpp.shard(step)(state, x)
+    new, m = zeropp_sum_step(apply, params, x)  # no whole-leaf gather
     w = np.asarray(params.layers.weight, np.float64)
     seen = np.transpose(np.asarray(m["out"], np.float64), (1, 2, 0))  # (LAYERS, WIDTH, WIDTH)
-    assert np.max(np.abs(seen - w)) <= np.max(np.abs(w)) / qmax(8) / 2 * (1 + 2.0**-15) + 1e-7
-    # Each device contributes its 2 rows' entries (0 or 1) to each gradient entry; hop 1
-    # quantizes each of a node's 4 contributions (half a step of at most 1 / q each), hop
-    # 2 each node's partial sum (at most 1 plus its hop-1 error).
-    q4 = qmax(4) / (1 + 2.0**-15)
-    hop1 = 4 * (1.0 / q4) / 2
-    hop2 = 2 * ((1.0 + hop1) / q4) / 2
+    assert np.max(np.abs(seen - w)) <= int8_gather_bound(w)
     grad = w - np.asarray(zpp.gather_params(new).layers.weight, np.float64)
-    assert np.max(np.abs(grad - 1.0)) <= hop1 + hop2 + 1e-5
+    assert np.max(np.abs(grad - 1.0)) <= ones_int4_two_hop_bound() + 1e-5

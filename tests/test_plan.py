@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _support import abstract_gpt_state
 from flax.training import train_state
 
 import zeropp_jax as zpp
@@ -100,15 +101,8 @@ def test_plan_with_per_use_shared_gradients(plan_report):
 
 
 def test_state_bytes_counts_each_device_s_shard():
-    mesh = zpp.make_mesh(2, 4)
     gpt = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, scan=True)
-    state = zpp.TrainState.abstract(
-        apply_fn=GPT(gpt).apply,
-        params=init_fn(gpt, 0),
-        tx=optax.adamw(1e-3),
-        mesh=mesh,
-        config=zpp.ZeroPPConfig.zero3(),
-    )
+    state = abstract_gpt_state(gpt, zpp.ZeroPPConfig.zero3())
     padded = sum(lo.padded_size for lo in state.layouts[1])
     # master + two Adam moments, float32, an eighth each; plus replicated scalars
     scalars = plan.state_bytes(state) - 3 * 4 * padded // 8
@@ -116,18 +110,11 @@ def test_state_bytes_counts_each_device_s_shard():
 
 
 def test_estimate_terms():
-    mesh = zpp.make_mesh(2, 4)
     gpt = dataclasses.replace(PRESETS["125m"], scan=True, remat="full", seq_len=2048)
     kw = dict(batch=1, seq=2048, mesh_shape=(2, 4))
     shapes = {}
     for name, config in (("zero3", zpp.ZeroPPConfig.zero3()), ("zeropp", zpp.ZeroPPConfig())):
-        state = zpp.TrainState.abstract(
-            apply_fn=GPT(gpt).apply,
-            params=init_fn(gpt, 0),
-            tx=optax.adamw(1e-3),
-            mesh=mesh,
-            config=config,
-        )
+        state = abstract_gpt_state(gpt, config)
         shapes[name] = plan.estimate(
             gpt,
             state=state,
@@ -171,16 +158,9 @@ def test_estimate_terms():
 
 
 def test_estimate_takes_its_engine_fields_from_a_config():
-    mesh = zpp.make_mesh(2, 4)
     gpt = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, scan=True)
     config = zpp.ZeroPPConfig(weight_block_size=64, prefetch=False, shared_grad="per_use")
-    state = zpp.TrainState.abstract(
-        apply_fn=GPT(gpt).apply,
-        params=init_fn(gpt, 0),
-        tx=optax.adamw(1e-3),
-        mesh=mesh,
-        config=config,
-    )
+    state = abstract_gpt_state(gpt, config)
     kw = dict(state=state, layouts=state.layouts[1], batch=1, seq=8, mesh_shape=(2, 4))
     by_hand = plan.estimate(
         gpt,
