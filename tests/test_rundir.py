@@ -8,7 +8,7 @@ import os
 import pytest
 
 from zeropp_jax.train import rundir
-from zeropp_jax.train.flags import UsageError
+from zeropp_jax.train.flag_types import UsageError
 
 
 def test_latest_checkpoint_is_the_highest_step_and_ignores_other_names(tmp_path):

@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from zeropp_jax.provenance import provenance
-from zeropp_jax.train.flags import PROG, UsageError, gpt_config, parse_args, zeropp_config
+from zeropp_jax.train.flag_types import UsageError
+from zeropp_jax.train.flags import PROG, gpt_config, parse_args, zeropp_config
 from zeropp_jax.train.platform import (
     check_batch,
     configure_host_devices,

@@ -11,6 +11,14 @@ import math
 from collections.abc import Sequence
 
 from zeropp_jax.config import KERNELS, SHARED_GRAD
+from zeropp_jax.train.data_flags import add_data_flags, check_data, resolve_vocab_size
+from zeropp_jax.train.flag_types import (
+    UsageError,
+    bit_width,
+    hop_bit_width,
+    non_negative_int,
+    positive_int,
+)
 
 PROG = "zeropp-train"
 
@@ -64,52 +72,9 @@ stderr); 3 stopped by SIGTERM or SIGINT after checkpointing the step (continue w
 --resume)."""
 
 
-class UsageError(Exception):
-    """A bad flag or flag combination: reported as one line, exit status 2."""
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage block
         raise UsageError(message)
-
-
-def _bits(text: str) -> int | None:
-    if text.lower() == "none":
-        return None
-    if text in ("8", "4", "2"):
-        return int(text)
-    raise argparse.ArgumentTypeError(f"invalid bit width {text!r} (choose from 8, 4, 2, none)")
-
-
-def _hop_bits(text: str) -> int | str | None:
-    if text == "same":
-        return text
-    try:
-        return _bits(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"invalid bit width {text!r} (choose from 8, 4, 2, none, same)"
-        ) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,12 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         "1.3b, 6.7b (tiny); the four flags below override its width, depth, heads and "
         "context; the vocabulary follows the tokenizer (see --vocab-size)",
     )
-    g.add_argument("--d-model", type=_positive, default=None, help="residual width (tiny: 128)")
-    g.add_argument("--n-layers", type=_positive, default=None, help="transformer blocks (tiny: 4)")
-    g.add_argument("--n-heads", type=_positive, default=None, help="attention heads (tiny: 4)")
+    g.add_argument("--d-model", type=positive_int, default=None, help="residual width (tiny: 128)")
+    g.add_argument(
+        "--n-layers", type=positive_int, default=None, help="transformer blocks (tiny: 4)"
+    )
+    g.add_argument("--n-heads", type=positive_int, default=None, help="attention heads (tiny: 4)")
     g.add_argument(
         "--seq-len",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="tokens per sequence, and the learned position table's length (tiny: 128, "
         "others 2048)",
@@ -155,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--attn-chunk",
-        type=_non_negative,
+        type=non_negative_int,
         default=None,
         help="queries per attention chunk, each recomputed in the backward so that one "
         "chunk's scores are live at a time; 0 (or at least --seq-len): the whole sequence "
@@ -163,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--loss-chunks",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="vocabulary pieces the output head and loss run in, never holding the whole "
         "logits (and row ranges of the lookup's gradient); must divide the vocabulary "
@@ -171,12 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=_positive, default=200, help="optimizer steps (200)")
-    g.add_argument("--batch", type=_positive, default=32, help="global batch, sequences (32)")
+    g.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (200)")
+    g.add_argument("--batch", type=positive_int, default=32, help="global batch, sequences (32)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
     g.add_argument(
         "--warmup",
-        type=_non_negative,
+        type=non_negative_int,
         default=None,
         help="warmup steps (default: min(100, steps // 10))",
     )
@@ -203,80 +170,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="parameter init and data order (0)")
     g.add_argument(
         "--eval-every",
-        type=_non_negative,
+        type=non_negative_int,
         default=100,
         help="steps between validation passes, 0 = only at the end (100)",
     )
     g.add_argument(
-        "--eval-batches", type=_positive, default=8, help="validation batches per pass (8)"
+        "--eval-batches", type=positive_int, default=8, help="validation batches per pass (8)"
     )
     g.add_argument(
         "--max-corpus-mb",
-        type=_positive,
+        type=positive_int,
         default=16,
         help="MB of stdlib source read at start-up, for the built-in corpus (16)",
     )
 
-    g = p.add_argument_group("data")
-    g.add_argument(
-        "--data",
-        action="append",
-        metavar="PATH",
-        default=None,
-        help="train on your own data: a text file, a directory of them (read recursively; "
-        "binary files skipped), a glob, or nanoGPT token files (*.bin: flat uint16 ids, "
-        "memory-mapped; give --vocab-size or --tokenizer); repeatable (default: the "
-        "standard library's .py files)",
-    )
-    g.add_argument(
-        "--val-data",
-        action="append",
-        metavar="PATH",
-        default=None,
-        help="the validation split, as --data (default: 5%% of the --data files by a hash "
-        "of their path, or the last 5%% of the tokens where that leaves a split empty)",
-    )
-    g.add_argument(
-        "--tokenizer",
-        default="bytes",
-        metavar="bytes|PATH",
-        help="bytes (ids 0-255) or a Hugging Face tokenizer.json (needs the tokenizers "
-        "package: pip install 'zeropp_jax[data]'; zeropp-tokenize trains one) (bytes)",
-    )
-    g.add_argument(
-        "--train-tokenizer",
-        type=int,
-        default=None,
-        metavar="N",
-        help="learn a byte-level BPE of N ids from the training split of the --data text "
-        "first (as zeropp-tokenize --vocab-size N; needs the tokenizers package), save it "
-        "as OUT/tokenizer.json and train on it; --resume reuses it; one process only",
-    )
-    g.add_argument(
-        "--vocab-size",
-        type=_positive,
-        default=None,
-        help="the model's vocabulary (default: the tokenizer's, rounded up to a multiple of "
-        "128; with the built-in corpus, the GPT-3 sizes keep GPT-2's 50304)",
-    )
+    add_data_flags(p)
 
     g = p.add_argument_group("mesh and ZeRO++")
     g.add_argument(
         "--nodes",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="size of the 'node' axis (default: 2 on emulated CPU devices, one per process "
         "under zeropp_jax.launch, else one per host)",
     )
     g.add_argument(
         "--local",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="size of the 'local' axis (default: devices / nodes)",
     )
     g.add_argument(
         "--model-parallel",
-        type=_positive,
+        type=positive_int,
         default=1,
         metavar="K",
         help="tensor parallelism: split the GPT Megatron-style over a 'model' axis of K "
@@ -294,32 +220,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--weight-bits",
-        type=_bits,
+        type=bit_width,
         default=8,
         help="qwZ: bits on the weight all-gathers, 8/4/2/none (8)",
     )
     g.add_argument(
         "--grad-bits",
-        type=_bits,
+        type=bit_width,
         default=4,
         help="qgZ: bits on the gradient reduction, 8/4/2/none (4)",
     )
     g.add_argument(
         "--grad-node-bits",
-        type=_hop_bits,
+        type=hop_bit_width,
         default="same",
         help="bits on gradient hop 2 (across nodes), 8/4/2/none/same (same: --grad-bits)",
     )
     g.add_argument(
         "--weight-delta-bits",
-        type=_bits,
+        type=bit_width,
         default=None,
         help="send int weight deltas across nodes against the kept secondary shard, "
         "8/4/2/none (none: full weights every step)",
     )
     g.add_argument(
         "--weight-local-bits",
-        type=_hop_bits,
+        type=hop_bit_width,
         default="same",
         help="bits on the intra-node weight gather stage, 8/4/2/none/same (same: as sent)",
     )
@@ -339,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--grad-rotation-block-size",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="values per rotation block, a power of two dividing each rotated hop's block "
         "size (default: the whole quantization block)",
@@ -358,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--error-feedback-reset",
-        type=_non_negative,
+        type=non_negative_int,
         default=0,
         help="zero the residuals every this many steps, 0 = never (0)",
     )
@@ -378,13 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--weight-block-size",
-        type=_positive,
+        type=positive_int,
         default=256,
         help="values per quantization block on weight gathers (256)",
     )
     g.add_argument(
         "--grad-block-size",
-        type=_positive,
+        type=positive_int,
         default=256,
         help="values per quantization block on the gradient reduction (256)",
     )
@@ -430,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--save-every",
-        type=_non_negative,
+        type=non_negative_int,
         default=100,
         help="steps between checkpoints, 0 = only at the end (100)",
     )
@@ -452,8 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("multi-host (jax.distributed)")
     g.add_argument("--coordinator", default=None, help="coordinator address host:port")
-    g.add_argument("--num-processes", type=_positive, default=None, help="processes in the job")
-    g.add_argument("--process-id", type=_non_negative, default=None, help="this process's id")
+    g.add_argument("--num-processes", type=positive_int, default=None, help="processes in the job")
+    g.add_argument("--process-id", type=non_negative_int, default=None, help="this process's id")
     g.add_argument(
         "--distributed",
         action="store_true",
@@ -510,7 +436,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.weight_local_bits, args.error_feedback = "same", "none"
         args.grad_rotation, args.grad_node_rotation = False, "same"
         args.grad_rotation_block_size = None
-    _check_data(args)
+    check_data(args)
     _resolve_model(args)
     if args.d_model % args.n_heads:
         raise UsageError(f"--n-heads {args.n_heads} does not divide --d-model {args.d_model}")
@@ -555,81 +481,18 @@ def _check_model_parallel(args: argparse.Namespace) -> None:
         )
 
 
-VOCAB_MULTIPLE = 128
-"""A tokenizer's vocabulary is rounded up to a multiple of this for the model (as nanoGPT
-pads GPT-2's 50257 to 50304), so that it divides into vocabulary pieces and shards."""
-
-
-def _check_data(args: argparse.Namespace) -> None:
-    """Checks the data flags that need no reading: the paths exist, the tokenizer parses,
-    a token file has a vocabulary. Sets `args.tokenizer_vocab` (the tokenizer's ids)."""
-    from zeropp_jax.train.corpus import TOKEN_FILE_SUFFIX, resolve_paths
-    from zeropp_jax.train.tokenizer import BYTES, load_tokenizer
-
-    if args.val_data and not args.data:
-        raise UsageError("--val-data needs --data (the built-in corpus has its own split)")
-    if args.train_tokenizer is not None:
-        _check_train_tokenizer(args)
-    try:
-        args.tokenizer_vocab = args.train_tokenizer or load_tokenizer(args.tokenizer).vocab_size
-        for flag, specs in (("--data", args.data), ("--val-data", args.val_data)):
-            if specs:
-                files, _ = resolve_paths(specs, flag)
-                bins = [p for p, _ in files if p.endswith(TOKEN_FILE_SUFFIX)]
-                if bins and args.tokenizer == BYTES and args.vocab_size is None:
-                    raise UsageError(
-                        f"{flag} {bins[0]}: a token file holds ids of some tokenizer; give "
-                        "--vocab-size N or the --tokenizer it was made with"
-                    )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
-def _check_train_tokenizer(args: argparse.Namespace) -> None:
-    from zeropp_jax.train.corpus import TOKEN_FILE_SUFFIX
-    from zeropp_jax.train.tokenizer import BYTES
-
-    n = args.train_tokenizer
-    if not args.data:
-        raise UsageError(
-            f"--train-tokenizer {n} learns from --data text; give --data (for the built-in "
-            "corpus, zeropp-tokenize --vocab-size N writes token files)"
-        )
-    if args.tokenizer != BYTES:
-        raise UsageError(
-            f"--train-tokenizer {n} learns the tokenizer; drop --tokenizer {args.tokenizer}"
-        )
-    for spec in args.data + (args.val_data or []):
-        if spec.endswith(TOKEN_FILE_SUFFIX):
-            raise UsageError(f"--train-tokenizer {n}: {spec} is already a token file; give text")
-    if not 256 < n <= 2**16:
-        raise UsageError(
-            f"--train-tokenizer {n}: a byte-level BPE needs more than the 256 byte ids and at "
-            "most 65536 (a uint16 token file); pick a size in 257..65536"
-        )
-
-
 def _resolve_model(args: argparse.Namespace) -> None:
-    """Fills the model flags left unset from the `--model` preset and sets `vocab_size`:
-    `--vocab-size`, else the tokenizer's rounded up to `VOCAB_MULTIPLE`; with the built-in
+    """Fills the model flags left unset from the `--model` preset and sets `vocab_size`
+    (`resolve_vocab_size`): `--vocab-size`, else the tokenizer's rounded up to
+    `VOCAB_MULTIPLE`; with the built-in
     corpus in bytes, the preset's (GPT-2's 50304 for the GPT-3 sizes, 256 for tiny)."""
     from zeropp_jax.train.model import PRESETS
-    from zeropp_jax.train.tokenizer import BYTES
 
     preset = PRESETS[args.model]
     for name in ("d_model", "n_layers", "n_heads", "seq_len", "attn_chunk", "loss_chunks"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
-    if args.vocab_size is None:
-        if not args.data and args.tokenizer == BYTES:
-            args.vocab_size = preset.vocab_size
-        else:
-            args.vocab_size = -(-args.tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    elif args.vocab_size < args.tokenizer_vocab:
-        raise UsageError(
-            f"--vocab-size {args.vocab_size} is below the {args.tokenizer_vocab} ids of "
-            f"--tokenizer {args.tokenizer}; give at least that many, or leave it out"
-        )
+    resolve_vocab_size(args, preset.vocab_size)
     if 0 < args.attn_chunk < args.seq_len and args.seq_len % args.attn_chunk:
         raise UsageError(
             f"--attn-chunk {args.attn_chunk} does not divide --seq-len {args.seq_len}; pick "

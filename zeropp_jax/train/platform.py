@@ -7,7 +7,7 @@ import argparse
 import importlib.util
 import os
 
-from zeropp_jax.train.flags import UsageError
+from zeropp_jax.train.flag_types import UsageError
 
 _ACCELERATOR_PLUGINS = (
     "jax_cuda13_plugin",

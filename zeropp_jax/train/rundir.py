@@ -12,7 +12,7 @@ import json
 import os
 import time
 
-from zeropp_jax.train.flags import UsageError
+from zeropp_jax.train.flag_types import UsageError
 
 # Arguments that fix the model and the data order: a resumed run must repeat them.
 _RUN_IDENTITY = (

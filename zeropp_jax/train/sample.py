@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from zeropp_jax.train.flags import UsageError
+from zeropp_jax.train.flag_types import UsageError
 
 PROG = "zeropp-sample"
 WEIGHTS = {"float": None, "int8": 8, "int4": 4}

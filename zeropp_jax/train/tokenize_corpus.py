@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from zeropp_jax.train.flags import UsageError
+from zeropp_jax.train.flag_types import UsageError
 
 PROG = "zeropp-tokenize"
 CHUNK_BYTES = 2**20
