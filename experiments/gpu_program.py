@@ -154,7 +154,7 @@ def most_in_flight(module: Any, collectives: list) -> int:
 def read_program(compiled: Any, mesh: Any) -> dict[str, Any]:
     """What the compiled step runs: collectives, their overlap, per loop."""
     from zeropp_jax import hlo_text
-    from zeropp_jax.ledger import phase_of
+    from zeropp_jax.phases import phase_of
 
     module = hlo_text.parse_hlo_module(compiled.as_text())
     collectives = hlo_text.scheduled_collectives(module)

@@ -30,8 +30,8 @@ import gpu_program  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
 from zeropp_jax import hlo_text  # noqa: E402
-from zeropp_jax.ledger import phase_of  # noqa: E402
 from zeropp_jax.partition import BATCH_SPEC  # noqa: E402
+from zeropp_jax.phases import phase_of  # noqa: E402
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 HAS_PLUGIN = importlib.util.find_spec("jax_plugins") is not None and (

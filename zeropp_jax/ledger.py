@@ -7,11 +7,7 @@ groups span, whether it crosses nodes, its phase (forward or backward) and how o
 runs (the product of the trip counts of the loops around it). `comm_ledger(...,
 compiled=True)` reads XLA's optimised program the same way, to check what actually runs.
 `comm_ledger(..., partitioned=True)` reads the program as XLA's SPMD partitioner leaves it,
-before the backend's own passes: for `jax.jit` steps whose collectives only XLA chooses
-(XLA's FSDP), the collectives at the width the program gives them, before XLA:CPU widens
-16-bit collectives to float32 (`AllReducePromotion`, float normalisation); and an
-all-reduce whose one user keeps a `1/G` slice of it is counted as the reduce-scatter a GPU
-compiler makes of it (XLA's `ReduceScatterCreator`). It is the wire a GPU would carry.
+before the backend's own passes (`zeropp_jax.partitioned`): the wire a GPU would carry.
 
 Bytes sent per device follow one set of definitions (DESIGN.md, "How we measure"), with
 `G` the replica group size and `n` the loop trip count:
@@ -66,11 +62,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import glob
-import math
-import os
-import re
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -81,10 +72,7 @@ from jax.sharding import Mesh, NamedSharding
 from zeropp_jax.groups import crosses_nodes, group_axes, node_of
 from zeropp_jax.hlo_text import (
     COLLECTIVE_OPS,
-    CallPath,
     HloInstruction,
-    HloModule,
-    Location,
     array_shapes,
     call_paths,
     known_trip_counts,
@@ -93,7 +81,14 @@ from zeropp_jax.hlo_text import (
     scan_trip_count,
 )
 from zeropp_jax.links import LINK_MODELS, default_links, node_traffic, transfers  # noqa: F401 (public here)
-from zeropp_jax.optimizer_view import UPDATE_SCOPE
+from zeropp_jax.partitioned import partitioned_program, sliced_all_reduces
+from zeropp_jax.phases import (
+    LoopKey,
+    compiled_trip_counts,
+    lowered_trip_counts,
+    path_names,
+    phase_of,
+)
 
 PHASES = ("forward", "backward", "update")
 """The values of `CollectiveRecord.phase`: `update` is the optimizer update (collectives
@@ -104,9 +99,6 @@ PARTS = ("fwd_gather", "bwd_gather", "grad_reduce", "other")
 """The values of `CollectiveRecord.part`."""
 
 _GRAD_REDUCE_OPS = ("reduce-scatter", "all-to-all", "collective-permute", "all-reduce")
-
-_UPDATE_RE = re.compile(rf"(?:^|/){UPDATE_SCOPE}(?:/|$)")
-_BACKWARD_RE = re.compile(r"(?:^|[/(])(?:transpose\(|rematted_computation(?:/|$))")
 
 
 # --------------------------------------------------------------------------- records
@@ -359,51 +351,7 @@ def _fmt_bytes(num_bytes: float) -> str:
     return f"{num_bytes:,.0f}" if float(num_bytes).is_integer() else f"{num_bytes:,.2f}"
 
 
-# ------------------------------------------------------------------ phase and loops
-
-
-def phase_of(op_names: Iterable[str]) -> str:
-    """`'update'` if any name lies in the optimizer update's named scope, else
-    `'backward'` if any shows a `transpose(...)` or a remat recomputation, else
-    `'forward'`."""
-    names = list(op_names)
-    if any(_UPDATE_RE.search(n) for n in names):
-        return "update"
-    return "backward" if any(_BACKWARD_RE.search(n) for n in names) else "forward"
-
-
-def _path_names(path: CallPath) -> list[str]:
-    """Op-name prefixes contributed by a call chain (while ops add none: their bodies'
-    op names already start with `while/body/`)."""
-    return [ins.op_name for ins, _ in path if ins.opcode != "while" and ins.op_name]
-
-
-LoopKey = tuple[Location | None, str]
-
-
-def compiled_trip_counts(module: HloModule) -> dict[LoopKey, set[int]]:
-    """`known_trip_count` of each `while` in compiled HLO, keyed by (source location, phase)."""
-    out: dict[LoopKey, set[int]] = collections.defaultdict(set)
-    for ins, count in known_trip_counts(module):
-        out[(module.locations.get(ins.frame), phase_of([ins.op_name]))].add(count)
-    return dict(out)
-
-
 # ------------------------------------------------------------------------- the ledger
-
-
-def _lowered_trip_counts(lowered: Any) -> dict[LoopKey, set[int]]:
-    """The trip count of each `lax.scan` / static loop of the lowered program, keyed by
-    (source location, phase), for the same loops after partitioning."""
-    module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
-    out: dict[LoopKey, set[int]] = collections.defaultdict(set)
-    for comp, instructions in module.computations.items():
-        for ins in instructions:
-            if ins.opcode == "while":
-                count = scan_trip_count(module, ins, comp)
-                if count is not None:
-                    out[(module.locations.get(ins.frame), phase_of([ins.op_name]))].add(count)
-    return dict(out)
 
 
 def _arg_meshes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Iterator[Mesh]:
@@ -414,71 +362,6 @@ def _arg_meshes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Iterator[Mesh
             getattr(leaf, "sharding", None), NamedSharding
         ):
             yield leaf.sharding.mesh
-
-
-def _elements(shape: str) -> int:
-    """Elements of an array-shaped HLO type, e.g. `bf16[384,16]{1,0}` -> 6144."""
-    m = re.match(r"\w+\[([\d,]*)\]", shape)
-    if m is None:
-        return -1
-    return math.prod(int(d) for d in m.group(1).split(",") if d)
-
-
-def _sliced_all_reduces(instructions: Sequence[HloInstruction], mesh: Mesh) -> set[str]:
-    """Names of the all-reduces of one computation whose only user is a (dynamic-)slice
-    that keeps `1/G` of the result: what a GPU compiler turns into a reduce-scatter."""
-    users: dict[str, list[HloInstruction]] = collections.defaultdict(list)
-    for ins in instructions:
-        for operand in ins.operands:
-            users[operand].append(ins)
-    out = set()
-    for ins in instructions:
-        if ins.opcode != "all-reduce" or len(users[ins.name]) != 1:
-            continue
-        (user,) = users[ins.name]
-        groups = parse_replica_groups(ins.attr("replica_groups") or "{}", mesh.devices.size)
-        size = len(groups[0]) if groups else 1
-        whole = _elements(ins.shape)
-        if user.opcode in ("slice", "dynamic-slice") and size > 1 and whole > 0:
-            if _elements(user.shape) * size == whole:
-                out.add(ins.name)
-    return out
-
-
-def partitioned_program(lowered: Any) -> tuple[str, str]:
-    """`(partitioned, compiled)`: the HLO text of `lowered` as XLA's SPMD partitioner leaves
-    it (the pass's own dump, before the backend's passes), and the compiled program's.
-
-    Args:
-      lowered: a `jax.stages.Lowered` (e.g. `jax.jit(f).lower(...)`).
-
-    Raises:
-      ValueError: when the compiler wrote no dump after the partitioner.
-    """
-    with tempfile.TemporaryDirectory(prefix="zeropp_partitioned_") as folder:
-        options = {
-            "xla_dump_to": folder,
-            "xla_dump_hlo_pass_re": "spmd-partitioning",
-            "xla_dump_hlo_as_text": True,
-        }
-        # A persistent-cache hit compiles nothing and dumps nothing (JAX leaves the dump
-        # options out of its cache key): compile this one afresh.
-        cached = jax.config.jax_enable_compilation_cache
-        jax.config.update("jax_enable_compilation_cache", False)
-        try:
-            compiled = lowered.compile(compiler_options=options)
-        finally:
-            jax.config.update("jax_enable_compilation_cache", cached)
-        found = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
-        if not found:
-            raise ValueError(
-                "comm_ledger(partitioned=True): XLA wrote no dump after its SPMD partitioner "
-                f"into {folder} (files: {sorted(os.listdir(folder))[:5]}); this XLA may "
-                "name the pass differently: read the program with compiled=True instead."
-            )
-        with open(found[-1]) as f:
-            text = f.read()
-    return text, compiled.as_text()
 
 
 def _records_of(
@@ -497,7 +380,7 @@ def _records_of(
       mesh: the mesh the step runs on.
       links: one of `LINK_MODELS`, for the per-node link bytes.
       as_reduce_scatter: count an all-reduce as a reduce-scatter over its groups (its
-        result sliced to `1/G`, see `_sliced_all_reduces`).
+        result sliced to `1/G`, see `sliced_all_reduces`).
     """
     op = ins.opcode.removesuffix("-start")
     ins_by_dtype: dict[str, int] = collections.defaultdict(int)
@@ -639,7 +522,7 @@ def comm_ledger(
         if partitioned:  # the partitioner keeps each loop's count: read it as JAX wrote it
             nonlocal lowered_counts
             if lowered_counts is None:
-                lowered_counts = _lowered_trip_counts(lowered)
+                lowered_counts = lowered_trip_counts(lowered)
             found = lowered_counts.get((module.locations.get(loop.frame), phase), set())
             if len(found) == 1:
                 return next(iter(found))
@@ -659,17 +542,17 @@ def comm_ledger(
     records = []
     for comp, instructions in module.computations.items():
         shapes = {i.name: i.shape for i in instructions}
-        sliced = _sliced_all_reduces(instructions, mesh) if partitioned else set()
+        sliced = sliced_all_reduces(instructions, mesh) if partitioned else set()
         for ins in instructions:
             if ins.opcode.removesuffix("-start") not in COLLECTIVE_OPS:
                 continue
             for path in paths.get(comp, ()):
-                names = [*_path_names(path), ins.op_name]
+                names = [*path_names(path), ins.op_name]
                 phase = phase_of(names)
                 trips = 1
                 for depth, (call, caller) in enumerate(path):
                     if call.opcode == "while":
-                        loop_names = [*_path_names(path[:depth]), call.op_name]
+                        loop_names = [*path_names(path[:depth]), call.op_name]
                         trips *= trip_count(call, caller, phase_of(loop_names))
                 for fields in _records_of(ins, shapes, mesh, links, ins.name in sliced):
                     op, dtype, n_in, n_out, size, axes, cross, leaving, entering = fields

@@ -1,0 +1,72 @@
+"""Which phase of a training step an HLO op serves, and how many times a program's loops run.
+
+The phase is `'update'` when an op name on a collective's chain of call sites lies in the
+optimizer update's named scope (`optimizer_view.UPDATE_SCOPE`), `'backward'` when one names
+a `transpose(...)` (reverse-mode AD, including a `custom_vjp` backward rule) or a
+`rematted_computation` (recomputation under `jax.checkpoint`), else `'forward'`. Loops are
+matched across the lowered, partitioned and compiled programs by their source location and
+phase (`LoopKey`).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from zeropp_jax.hlo_text import (
+    CallPath,
+    HloModule,
+    Location,
+    known_trip_counts,
+    parse_hlo_module,
+    scan_trip_count,
+)
+from zeropp_jax.optimizer_view import UPDATE_SCOPE
+
+_UPDATE_RE = re.compile(rf"(?:^|/){UPDATE_SCOPE}(?:/|$)")
+_BACKWARD_RE = re.compile(r"(?:^|[/(])(?:transpose\(|rematted_computation(?:/|$))")
+
+
+def phase_of(op_names: Iterable[str]) -> str:
+    """`'update'` if any name lies in the optimizer update's named scope, else
+    `'backward'` if any shows a `transpose(...)` or a remat recomputation, else
+    `'forward'`."""
+    names = list(op_names)
+    if any(_UPDATE_RE.search(n) for n in names):
+        return "update"
+    return "backward" if any(_BACKWARD_RE.search(n) for n in names) else "forward"
+
+
+def path_names(path: CallPath) -> list[str]:
+    """Op-name prefixes contributed by a call chain (while ops add none: their bodies'
+    op names already start with `while/body/`)."""
+    return [ins.op_name for ins, _ in path if ins.opcode != "while" and ins.op_name]
+
+
+LoopKey = tuple[Location | None, str]
+"""A loop's source location and phase: what identifies it across the lowered, partitioned
+and compiled programs."""
+
+
+def compiled_trip_counts(module: HloModule) -> dict[LoopKey, set[int]]:
+    """`known_trip_count` of each `while` in compiled HLO, keyed by (source location, phase)."""
+    out: dict[LoopKey, set[int]] = collections.defaultdict(set)
+    for ins, count in known_trip_counts(module):
+        out[(module.locations.get(ins.frame), phase_of([ins.op_name]))].add(count)
+    return dict(out)
+
+
+def lowered_trip_counts(lowered: Any) -> dict[LoopKey, set[int]]:
+    """The trip count of each `lax.scan` / static loop of the lowered program, keyed by
+    (source location, phase), for the same loops after partitioning."""
+    module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
+    out: dict[LoopKey, set[int]] = collections.defaultdict(set)
+    for comp, instructions in module.computations.items():
+        for ins in instructions:
+            if ins.opcode == "while":
+                count = scan_trip_count(module, ins, comp)
+                if count is not None:
+                    out[(module.locations.get(ins.frame), phase_of([ins.op_name]))].add(count)
+    return dict(out)
