@@ -3,7 +3,9 @@ engine built around them (tests/test_beyond.py, tests/test_rotation.py); regress
 batches (tests/test_engine_pallas.py, tests/test_optimizer_shapes.py); one ZeRO++ step on
 the sum of a model's output, and the quantizers' bounds on what it sees and reduces
 (tests/test_layered_scan.py, tests/test_params_pytrees.py); the trainer GPT's abstract
-state (tests/test_plan.py, tests/test_memory.py)."""
+state (tests/test_plan.py, tests/test_memory.py); running a function on each device's
+slice, random shards and the quantizer's steps (tests/test_collectives.py,
+tests/test_reductions.py, tests/test_reliability.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
 from zeropp_jax.quant import qmax
@@ -117,3 +120,41 @@ def abstract_gpt_state(gpt: GPTConfig, config: zpp.ZeroPPConfig) -> zpp.TrainSta
         mesh=zpp.make_mesh(2, 4),
         config=config,
     )
+
+
+def per_device(mesh, fn, x, *extra):
+    """Runs `fn` on each device's slice `x[n, l]` of `x` `(Nn, L, ...)`; returns
+    `(Nn, L, ...)` of per-device results."""
+
+    def body(xs, *es):
+        out = fn(xs[0, 0], *(e[0, 0] for e in es))
+        return out[None, None]
+
+    spec = P("node", "local")
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec,) * (1 + len(extra)), out_specs=spec, check_vma=False
+    )
+    return np.asarray(jax.jit(f)(x, *extra))
+
+
+def rand(shape, seed=0, dtype=jnp.float32, heavy=False):
+    k = jax.random.key(seed)
+    x = jax.random.t(k, 2.0, shape) if heavy else jax.random.normal(k, shape)
+    return x.astype(dtype)
+
+
+# The quantizer rounds each scale `absmax / qmax` up to 16 significant bits (so that every
+# `q * scale` is exact in float32), which makes a step up to a factor `1 + 2**-15` larger;
+# the steps below carry that factor (float32 rounding of the quotient is covered by the
+# relative slack of each bound, as it was before the rounding).
+SCALE_ROUNDING = 1 + 2.0**-15
+
+
+def block_steps(shard, bits, block_size):
+    """Per-value quantization step (an upper bound: see `SCALE_ROUNDING`) of a shard
+    quantized on its own (numpy, float64)."""
+    flat = np.asarray(shard, np.float64).reshape(-1)
+    pad = (-flat.size) % block_size
+    b = np.pad(flat, (0, pad)).reshape(-1, block_size)
+    steps = np.abs(b).max(axis=1, keepdims=True) / qmax(bits) * SCALE_ROUNDING
+    return np.broadcast_to(steps, b.shape).reshape(-1)[: flat.size].reshape(np.shape(shard))

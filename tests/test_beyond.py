@@ -12,7 +12,7 @@ from _support import batch, engine
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax import choices, make_mesh
+from zeropp_jax import choices, make_mesh, reductions, wire
 from zeropp_jax import collectives as C
 from zeropp_jax import quant as Q
 
@@ -173,11 +173,11 @@ def exact_and_bound(x, bits, bs, node_bits, node_bs, piece_size=ROWS * COLS):
                     p = x[a, b].reshape(n, -1)[piece]
                     partial += p
                     if ll > 1:
-                        err1 += block_bound(p, bits, C.effective_block_size(p.size, bs))
+                        err1 += block_bound(p, bits, wire.effective_block_size(p.size, bs))
                 exact[dn, dl] += partial
                 bound[dn, dl] += err1
                 if nn > 1 and node_bits is not None:
-                    nbs = C.effective_block_size(partial.size, node_bs)
+                    nbs = wire.effective_block_size(partial.size, node_bs)
                     bound[dn, dl] += block_bound(partial, node_bits, nbs, absmax_slack=err1)
     return exact, bound + np.abs(exact) * F32_SLACK + 1e-30
 
@@ -191,7 +191,7 @@ def test_two_hop_per_hop_formats_within_bound(shape, bits, bs, node_bits, node_b
     mesh = make_mesh(*shape)
     nn, ll = shape
     x = rand((nn, ll, nn * ll * ROWS, COLS), seed=4)
-    fn = lambda s: C.two_hop_reduce_scatter(  # noqa: E731
+    fn = lambda s: reductions.two_hop_reduce_scatter(  # noqa: E731
         s, bits=bits, block_size=bs, node_bits=node_bits, node_block_size=node_bs
     )
     got = per_device(mesh, fn, x).reshape(nn, ll, -1)
@@ -207,7 +207,7 @@ def test_two_hop_node_bits_none_keeps_hop2_exact():
     x = rand((2, 4, 8 * ROWS, COLS), seed=5)[..., :8]
     got = per_device(
         mesh,
-        lambda s: C.two_hop_reduce_scatter(
+        lambda s: reductions.two_hop_reduce_scatter(
             s, bits=8, block_size=8, node_bits=None, node_block_size=8
         ),
         x,
@@ -223,7 +223,7 @@ def _sr_draws(mesh, x, keys, **kw):
 
     def fn(s, kd):
         ks = jax.random.wrap_key_data(kd)
-        return jax.vmap(lambda k: C.two_hop_reduce_scatter(s, key=k, **kw))(ks)
+        return jax.vmap(lambda k: reductions.two_hop_reduce_scatter(s, key=k, **kw))(ks)
 
     out = per_device(mesh, fn, x, kd)  # (Nn, L, K, rows, cols)
     return np.moveaxis(out.reshape(*out.shape[:3], -1), 2, 0)
@@ -251,7 +251,7 @@ def test_two_hop_stochastic_rounding_unbiased_and_reproducible(shape):
     t = (ulp1 + ulp2) * math.sqrt(2 * math.log(2 / 1e-9) / k)
     mean = draws.mean(0)
     assert np.all(np.abs(mean - exact) <= t), float(np.max(np.abs(mean - exact)))
-    nearest = per_device(mesh, lambda s: C.two_hop_reduce_scatter(s, **kw), jnp.asarray(x))
+    nearest = per_device(mesh, lambda s: reductions.two_hop_reduce_scatter(s, **kw), jnp.asarray(x))
     if shape != (2, 4):  # one hop: nearest loses all 0.3s, far beyond t
         assert np.max(np.abs(nearest.reshape(exact.shape) - exact)) > t
     # Same key: the same bits; another key: other bits.
@@ -283,7 +283,7 @@ def test_hierarchical_gather_with_requantized_stage2(bits, local_bits):
         if local_bits is None:
             np.testing.assert_array_equal(full[piece], stage1[piece])
             continue
-        b = block_bound(s1, local_bits, C.effective_block_size(s1.size, bs))
+        b = block_bound(s1, local_bits, wire.effective_block_size(s1.size, bs))
         assert np.all(np.abs(full[piece] - s1) <= b * (1 + F32_SLACK) + 1e-30)
     # Every device ends with the same full array.
     assert np.all(out[:, :, 0] == out[0, 0, 0])

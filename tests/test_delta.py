@@ -13,8 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax import checkpoint, make_mesh, references
-from zeropp_jax import collectives as C
+from zeropp_jax import checkpoint, make_mesh, references, wire
 from zeropp_jax import delta as D
 from zeropp_jax import partition as part
 from zeropp_jax import quant as Q
@@ -27,7 +26,7 @@ def delta_bound(delta: np.ndarray, bits, block_size: int) -> np.ndarray:
     """Half a quantization step per value of `delta` (one device's piece, any shape),
     blocked as `delta_all_gather` blocks it."""
     flat = jnp.asarray(delta, jnp.float32).reshape(-1)
-    bs = C.effective_block_size(flat.size, block_size)
+    bs = wire.effective_block_size(flat.size, block_size)
     step = Q.step_size(flat, bits=bits, block_size=bs)
     return np.asarray(Q.max_error(flat, step, bits)).reshape(delta.shape)
 

@@ -17,7 +17,7 @@ from _support import regression_batches, train_step
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax import choices, kernels
+from zeropp_jax import choices, kernels, reductions
 from zeropp_jax import collectives as C
 from zeropp_jax.quant import XLA_CODEC
 
@@ -109,14 +109,14 @@ def _collectives(codec):
             "flat_gather": C.flat_all_gather(
                 w.astype(jnp.bfloat16), bits=2, block_size=8, codec=codec
             ),
-            "two_hop": C.two_hop_reduce_scatter(
+            "two_hop": reductions.two_hop_reduce_scatter(
                 g, bits=4, block_size=8, node_bits=4, node_block_size=8, codec=codec
             ),
-            "two_hop_8_to_2": C.two_hop_reduce_scatter(
+            "two_hop_8_to_2": reductions.two_hop_reduce_scatter(
                 g, bits=8, block_size=8, node_bits=2, node_block_size=8, codec=codec
             ),
-            "flat_reduce": C.flat_reduce_scatter(g, bits=8, block_size=8, codec=codec),
-            "reduce_local": C.reduce_scatter_quantized(
+            "flat_reduce": reductions.flat_reduce_scatter(g, bits=8, block_size=8, codec=codec),
+            "reduce_local": reductions.reduce_scatter_quantized(
                 g[:12], axis_name="local", bits=2, block_size=8, codec=codec
             ),
         }

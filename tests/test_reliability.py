@@ -3,11 +3,11 @@
 import jax
 import numpy as np
 import pytest
-from test_collectives import per_device, rand
+from _support import per_device, rand
 from test_engine import TX, Net, data, train_step
 
 import zeropp_jax as zpp
-from zeropp_jax import collectives as C
+from zeropp_jax import reductions
 
 
 def poisoned(i):
@@ -55,7 +55,7 @@ def test_nonfinite_block_stays_in_its_block_through_two_hops(bits, bad):
     x = np.array(rand((2, 4, 8 * rows, 4), seed=9))
     x[1, 2, 5 * rows, 0] = bad  # device (1, 2): first value of piece 5's first block
     kw = dict(bits=bits, block_size=bs, node_bits=bits, node_block_size=bs)
-    got = per_device(mesh, lambda s: C.two_hop_reduce_scatter(s, **kw), x)
+    got = per_device(mesh, lambda s: reductions.two_hop_reduce_scatter(s, **kw), x)
     # Piece 5 is owned by device (n, l) with l * 2 + n = 5: (1, 2).
     for n in range(2):
         for l in range(4):

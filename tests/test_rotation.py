@@ -13,7 +13,7 @@ from _support import batch, engine
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax import collectives, feedback, make_mesh, quant, rotation
+from zeropp_jax import feedback, make_mesh, quant, reductions, rotation
 from zeropp_jax.kernels import pallas_codec
 from zeropp_jax.wire import effective_block_size
 
@@ -183,13 +183,13 @@ def test_rotated_two_hop_within_the_bound_in_the_rotated_basis(shape, kw):
     # Heavy tails (Student-t, 2 degrees of freedom): the outliers rotation is for.
     x = jax.random.t(jax.random.key(7), 2.0, (nn, ll, nn * ll * ROWS, COLS))
     kw = dict(kw, rotation_block_size=8, node_rotation_block_size=8)
-    got = per_device(mesh, lambda s: collectives.two_hop_reduce_scatter(s, **kw), x)
+    got = per_device(mesh, lambda s: reductions.two_hop_reduce_scatter(s, **kw), x)
     exact, bound = rotated_bound(x, kw)
     err = np.linalg.norm(got.reshape(nn, ll, -1) - exact, axis=-1)
     assert np.all(err <= bound), float(np.max(err / bound))
     # The rotation is what the bound describes: without it the same data errs more.
     plain = dict(kw, rotation_block_size=None, node_rotation_block_size=None)
-    unrotated = per_device(mesh, lambda s: collectives.two_hop_reduce_scatter(s, **plain), x)
+    unrotated = per_device(mesh, lambda s: reductions.two_hop_reduce_scatter(s, **plain), x)
     assert np.linalg.norm(got.reshape(-1) - exact.reshape(-1)) < np.linalg.norm(
         unrotated.reshape(-1) - exact.reshape(-1)
     )
@@ -204,11 +204,11 @@ def test_rotated_hops_refuse_unquantized_hops_and_pallas_matches_xla():
         dict(node_bits=None, node_rotation_block_size=8),
     ):
         with pytest.raises(ValueError, match="unquantized"):
-            per_device(mesh, lambda s, b=bad: collectives.two_hop_reduce_scatter(s, **kw | b), x)
+            per_device(mesh, lambda s, b=bad: reductions.two_hop_reduce_scatter(s, **kw | b), x)
     kw.update(rotation_block_size=8, node_rotation_block_size=8)
-    xla = per_device(mesh, lambda s: collectives.two_hop_reduce_scatter(s, **kw), x)
+    xla = per_device(mesh, lambda s: reductions.two_hop_reduce_scatter(s, **kw), x)
     kw["codec"] = pallas_codec(interpret=True)
-    pallas = per_device(mesh, lambda s: collectives.two_hop_reduce_scatter(s, **kw), x)
+    pallas = per_device(mesh, lambda s: reductions.two_hop_reduce_scatter(s, **kw), x)
     np.testing.assert_array_equal(pallas, xla)
 
 

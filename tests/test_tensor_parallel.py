@@ -289,7 +289,7 @@ class TwoColumnSplit(nn.Module):
 
 def test_model_ranks_round_their_gradient_slices_with_different_noise():
     """With stochastic rounding and K = 2, the engine folds each `model` rank into the
-    rounding key (`collectives.model_rank_key`), at a single use and at a shared gather:
+    rounding key (`reductions.model_rank_key`), at a single use and at a shared gather:
     the loss `sum((x @ W) * c)` with `c`'s two halves equal gives the two ranks' slices
     equal gradients before rounding, which one key would round alike."""
     mesh = zpp.make_mesh(2, 2, model_size=2)

@@ -103,6 +103,6 @@ def gather_spec(
 def rounding_key(config: ZeroPPConfig, step: jax.Array, leaf_index: int) -> jax.Array:
     """The stochastic-rounding key of one parameter leaf at one step (the same on every
     device; the gradient reduction folds in the device and the hop, see
-    `collectives.hop_keys`): a pure function of `(config.rounding_seed, step, leaf_index)`."""
+    `reductions.hop_keys`): a pure function of `(config.rounding_seed, step, leaf_index)`."""
     key = jax.random.fold_in(jax.random.key(config.rounding_seed), step)
     return jax.random.fold_in(key, leaf_index)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeropp_jax import collectives as C
+from zeropp_jax import reductions
 from zeropp_jax.quant import XLA_CODEC, Codec
 from zeropp_jax.wire import Format
 
@@ -55,7 +55,7 @@ def two_hop_reduce_scatter_feedback(
     rotation_block_size: int | None = None,
     node_rotation_block_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """`collectives.two_hop_reduce_scatter` with error feedback on either hop.
+    """`reductions.two_hop_reduce_scatter` with error feedback on either hop.
 
     Hop 1 sends `c1 = x + hop1_residual` (each of the `N` pieces in its own blocks, as the
     plain reduction does); hop 2 sends `c2 = partial + hop2_residual`. A hop given a
@@ -74,9 +74,9 @@ def two_hop_reduce_scatter_feedback(
       local_axis: name of the intra-node mesh axis.
       codec: block quantization implementation.
       key: a PRNG key, the same on every device, for stochastic rounding on both hops
-        (see `collectives.hop_keys`); None rounds to nearest.
+        (see `reductions.hop_keys`); None rounds to nearest.
       rotation_block_size: Hadamard rotation block on hop 1, or None (see
-        `collectives.two_hop_reduce_scatter`). The residual is what the rotated
+        `reductions.two_hop_reduce_scatter`). The residual is what the rotated
         quantization lost, rotated back: `c - rotate(dequant(q(rotate(c))))`.
       node_rotation_block_size: the same for hop 2.
 
@@ -95,7 +95,7 @@ def two_hop_reduce_scatter_feedback(
         raise ValueError("two_hop_reduce_scatter_feedback: no hop 2 on a 1-node mesh.")
     _check_residual("hop-1", hop1_residual, tuple(x.shape), bits)
     _check_residual("hop-2", hop2_residual, (nn * rows, *x.shape[1:]), node_bits)
-    return C._two_hop(
+    return reductions.two_hop_with_residuals(
         x,
         hop1_residual,
         hop2_residual,

@@ -22,7 +22,14 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from zeropp_jax import collectives, dataflow, placement, relayout, tensor_parallel, weight_gather
+from zeropp_jax import (
+    dataflow,
+    placement,
+    reductions,
+    relayout,
+    tensor_parallel,
+    weight_gather,
+)
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax.choices import gather_spec, resolve_codec, rounding_key
@@ -357,7 +364,7 @@ class LeafGathers:
         if self.layouts[leaf].tensor_parallel:
 
             def fn(g, key):
-                key = collectives.model_rank_key(key, axis_name=part.MODEL_AXIS)
+                key = reductions.model_rank_key(key, axis_name=part.MODEL_AXIS)
                 return weight_gather.reduce_gradient(g, self.spec, key)[0]
 
             return self._per_rank(leaf, fn, (g,), (key,)), ()
@@ -369,7 +376,7 @@ class LeafGathers:
         if self.layouts[leaf].tensor_parallel:
 
             def fn(p, w, key):
-                key = collectives.model_rank_key(key, axis_name=part.MODEL_AXIS)
+                key = reductions.model_rank_key(key, axis_name=part.MODEL_AXIS)
                 return weight_gather.gather_from_wire(p, w, self.spec, key)
 
             return self._per_rank(leaf, fn, (piece, wire), (fixed[0],))
