@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import _common
 
 if TYPE_CHECKING:
-    from convergence import Run, Schedule
+    from _study_runs import Run, Schedule
 
 GAP_THRESHOLD_PCT = 1.0
 REFERENCE = "zero3"

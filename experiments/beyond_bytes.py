@@ -8,7 +8,7 @@
 
 Trains the trainer's byte-level GPT (`zeropp-train`) on the Python standard library once
 per variant and seed (the same data order and validation batches for every variant of a
-seed), with `experiments/convergence.py`'s runner: ZeRO-3 (the reference of its seed),
+seed), with `experiments/_study_runs.py`: ZeRO-3 (the reference of its seed),
 ZeRO++, ZeRO++ with int4 weight deltas, and the beyond-ZeRO++ variants (int4 deltas with
 int8 / int4 or int8 / int2 gradient hops, with and without the Hadamard rotation and
 error feedback on the cross-node hop).
@@ -37,6 +37,7 @@ import _common
 
 _common.request_cpu_devices(8)
 
+import _study_runs  # noqa: E402
 import convergence  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -93,7 +94,7 @@ GOAL_LINK_M = 0.20
 GOAL_GAP_PCT = 1.0
 
 
-def rows_of(runs: dict[int, list[convergence.Run]], root: pathlib.Path) -> list[dict[str, Any]]:
+def rows_of(runs: dict[int, list[_study_runs.Run]], root: pathlib.Path) -> list[dict[str, Any]]:
     """One CSV row per finished run (`COLUMNS`); `gap_pct` needs ZeRO-3 of the same seed
     and commit, else it is left empty."""
     rows = []
@@ -132,8 +133,8 @@ def _short(provenance: dict[str, Any]) -> str:
 
 def markdown(
     rows: Sequence[dict[str, Any]],
-    runs: dict[int, list[convergence.Run]],
-    schedule: convergence.Schedule,
+    runs: dict[int, list[_study_runs.Run]],
+    schedule: _study_runs.Schedule,
     out: pathlib.Path,
     status: dict[str, str],
 ) -> str:
@@ -234,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     runs = {
         seed: [
-            convergence.Run(
+            _study_runs.Run(
                 name=n, label=VARIANTS[n][0], path=f"seed{seed}/{n}", trainer_flags=VARIANTS[n][1]
             )
             for n in names
@@ -256,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status.update(
             {
                 f"{k}/seed{seed}": v
-                for k, v in convergence.run_study(
+                for k, v in _study_runs.run_study(
                     runs[seed],
                     seeded,
                     root,

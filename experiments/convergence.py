@@ -38,34 +38,22 @@ Writes `convergence.{md,csv,png}` and `convergence_events.{md,csv,png}` into `--
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
-import os
 import pathlib
-import shutil
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import _common
 
 _common.request_cpu_devices(8)
 
-import error_compounding  # noqa: E402
 from _convergence_report import (  # noqa: E402
     events_stem,
     write_events,
     write_main,
 )
-
-from zeropp_jax.provenance import describe, provenance, same_code  # noqa: E402
-
-CODE = provenance()
-"""The code of this process: a finished run is reused only if it ran the same."""
+from _study_runs import Injection, Run, Schedule, run_study, trainer_step  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero3": ("ZeRO-3 (reference)", ("--zero3",)),
@@ -118,39 +106,6 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
 EVENT_BASE = ("--zero3",)  # k = 0 is plain ZeRO-3: the injected events are the only ones
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Schedule:
-    """Model, data and optimizer settings shared by every run of a study."""
-
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    seq_len: int = 128
-    batch: int = 16
-    steps: int = 800
-    eval_every: int = 50
-    eval_batches: int = 8
-    lr: float = 3e-3
-    seed: int = 0
-    max_corpus_mb: int = 16
-    ledger: bool = True  # the communication ledger of one step in summary.json
-    # The studies' recorded runs trained the unrolled blocks (the trainer's default until
-    # the scan became it); kept so that a rerun trains the same model.
-    scan: bool = False
-
-    def flags(self) -> list[str]:
-        return [
-            *([] if self.ledger else ["--no-ledger"]),
-            *([] if self.scan else ["--no-scan-layers"]),
-            *("--d-model", str(self.d_model), "--n-layers", str(self.n_layers)),
-            *("--n-heads", str(self.n_heads), "--seq-len", str(self.seq_len)),
-            *("--batch", str(self.batch), "--steps", str(self.steps)),
-            *("--eval-every", str(self.eval_every), "--eval-batches", str(self.eval_batches)),
-            *("--lr", str(self.lr), "--seed", str(self.seed)),
-            *("--max-corpus-mb", str(self.max_corpus_mb)),
-        ]
-
-
 MAIN = Schedule()
 EVENTS = dataclasses.replace(MAIN, steps=400)
 QUICK = Schedule(
@@ -169,60 +124,7 @@ QUICK_VARIANTS = ("zero3", "zeropp")
 QUICK_KS = (0, 2)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Injection:
-    """k extra quantization events on the gradient (see `inject_quantization_events`)."""
-
-    k: int
-    bits: int = 4
-    block_size: int = 256
-    mode: str = "ring"
-    seed: int = 0
-    rotation: int | None = None  # Hadamard rotation block of every event, None: plain
-
-    def flags(self) -> list[str]:
-        return [
-            *("--inject-k", str(self.k), "--inject-bits", str(self.bits)),
-            *("--inject-block-size", str(self.block_size), "--inject-mode", self.mode),
-            *("--inject-seed", str(self.seed)),
-            *([] if self.rotation is None else ["--inject-rotation", str(self.rotation)]),
-        ]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Run:
-    """One training run of a study, trained into `<out>/convergence/<path>`."""
-
-    name: str
-    label: str
-    path: str
-    trainer_flags: tuple[str, ...]
-    injection: Injection | None = None
-
-    def command(self, schedule: Schedule, out: pathlib.Path) -> list[str]:
-        """The command line (without the interpreter) that trains this run into `out`, to
-        run from the repository root (`out` is shown relative to it when inside it)."""
-        out = _relative(out)
-        tail = [
-            *schedule.flags(),
-            *self.trainer_flags,
-            *("--out", str(out), "--save-every", "0", "--no-progress"),
-        ]
-        if self.injection is None:
-            return ["-m", "zeropp_jax.train", *tail]
-        script = pathlib.Path(__file__).resolve().relative_to(_common.ROOT)
-        tail += [] if "--no-ledger" in tail else ["--no-ledger"]
-        return [str(script), "--worker", *self.injection.flags(), "--", *tail]
-
-
-def _relative(path: pathlib.Path) -> pathlib.Path:
-    try:
-        return path.resolve().relative_to(_common.ROOT)
-    except ValueError:
-        return path
-
-
-# ------------------------------------------------------------------ injected train step
+# ------------------------------------------------------------------- the events study
 
 
 def event_runs(ks: Sequence[int], bits: int, seed: int, rotation: int | None = None) -> list[Run]:
@@ -240,48 +142,6 @@ def event_runs(ks: Sequence[int], bits: int, seed: int, rotation: int | None = N
         )
         for k in ks
     ]
-
-
-def injected_train_step(injection: Injection):
-    """`zeropp_jax.train.cli.train_step` with `injection.k` quantization events applied to
-    the gradient (global view, after the engine's reduction) before `apply_gradients`.
-    The noise key is `fold_in(key(injection.seed), step)`: a fresh draw every step."""
-    import jax
-
-    from zeropp_jax.train.model import cross_entropy
-
-    def train_step(state, batch):
-        def loss(params):
-            logits = state.apply_fn({"params": params}, batch[:, :-1], train=True)
-            return cross_entropy(logits, batch[:, 1:])
-
-        value, grads = jax.value_and_grad(loss)(state.params)
-        grads = error_compounding.inject_quantization_events(
-            grads,
-            injection.k,
-            bits=injection.bits,
-            block_size=injection.block_size,
-            key=jax.random.fold_in(jax.random.key(injection.seed), state.step),
-            mode=injection.mode,
-            rotation_block_size=injection.rotation,
-        )
-        return state.apply_gradients(grads=grads), {"loss": value}
-
-    return train_step
-
-
-@contextlib.contextmanager
-def trainer_step(injection: Injection | None) -> Iterator[None]:
-    """Makes the trainer compile `injected_train_step(injection)` inside the block."""
-    from zeropp_jax.train import cli
-
-    original = cli.train_step
-    if injection is not None:
-        cli.train_step = injected_train_step(injection)
-    try:
-        yield
-    finally:
-        cli.train_step = original
 
 
 def worker(argv: Sequence[str]) -> int:
@@ -309,172 +169,6 @@ def worker(argv: Sequence[str]) -> int:
     )
     with trainer_step(injection):
         return cli.main(argv[cut + 1 :])
-
-
-# ---------------------------------------------------------------------------- running
-
-
-def _matches(out: pathlib.Path, command: Sequence[str]) -> bool:
-    """Whether `out` holds a finished run of exactly `command` by the code running now."""
-    try:
-        recorded = json.loads((out / "run.json").read_text()).get("provenance", {})
-        return (
-            json.loads((out / "command.json").read_text()) == list(command)
-            and (out / "summary.json").exists()
-            and same_code(recorded, CODE)
-        )
-    except (OSError, ValueError):
-        return False
-
-
-def train(
-    run: Run,
-    schedule: Schedule,
-    out: pathlib.Path,
-    *,
-    timeout: float,
-    in_process: bool,
-    machine: str,
-    log,
-) -> str:
-    """Trains `run` into `out` unless `out` already holds it. Returns "done", "reused",
-    "timeout" or "failed (rc N)"; checkpoints are deleted afterwards. `machine` (date and
-    platform) goes to `out/machine.txt`."""
-    command = run.command(schedule, out)
-    if _matches(out, command):
-        log(f"{run.name}: reusing the finished run in {out}")
-        return "reused"
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    (out / "command.json").write_text(json.dumps(command))
-    (out / "machine.txt").write_text(machine + "\n")
-    log(f"{run.name}: python {' '.join(command)}")
-    start = time.time()
-    if in_process:
-        status = _train_in_process(run, command)
-    else:
-        status = _train_subprocess(command, out / "train.log", timeout)
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    if status == "done" and not (out / "summary.json").exists():
-        status = "failed (no summary)"
-    if status != "done":
-        (out / "command.json").unlink(missing_ok=True)
-    log(f"{run.name}: {status} after {time.time() - start:.0f} s")
-    return status
-
-
-def _train_in_process(run: Run, command: Sequence[str]) -> str:
-    from zeropp_jax.train import cli
-
-    argv = list(command[2:]) if command[0] == "-m" else list(command[command.index("--") + 1 :])
-    with trainer_step(run.injection):
-        cli.main(argv)
-    return "done"
-
-
-def _train_subprocess(command: Sequence[str], log_path: pathlib.Path, timeout: float) -> str:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(_common.ROOT), env.get("PYTHONPATH", "")) if p
-    )
-    with open(log_path, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, *command],
-            cwd=_common.ROOT,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            rc = proc.wait(timeout=max(timeout, 1.0))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            return "timeout"
-    return "done" if rc == 0 else f"failed (rc {rc})"
-
-
-def read_run(out: pathlib.Path) -> dict[str, Any]:
-    """Curves and summary of a run directory (partial when the run did not finish)."""
-    val, train_loss = [], []
-    path = out / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if "val_loss" in rec:
-                val.append((rec["step"], rec["val_loss"]))
-            elif "loss" in rec:
-                train_loss.append((rec["step"], rec["loss"]))
-    summary = {}
-    if (out / "summary.json").exists():
-        summary = json.loads((out / "summary.json").read_text())
-    machine = (out / "machine.txt").read_text().strip() if (out / "machine.txt").exists() else ""
-    return {"val": val, "train": train_loss, "summary": summary, "machine": machine}
-
-
-# ------------------------------------------------------------------------------- main
-
-
-def run_study(
-    runs: Sequence[Run],
-    schedule: Schedule,
-    root: pathlib.Path,
-    write,
-    *,
-    deadline: float,
-    in_process: bool,
-    machine: str,
-    log,
-    report_only: bool = False,
-) -> dict[str, str]:
-    """Trains `runs` in order into `root/<run.path>`, calling `write(data, status)` after
-    each. Finished runs are reused whatever the deadline; past it, the others are skipped
-    (a partial curve left by an earlier attempt is still plotted). With `report_only`,
-    nothing trains: the tables are rewritten once from the finished runs, by whatever code
-    ran them; the log says so if they ran different code."""
-    data, status = {}, {}
-    if report_only:
-        codes = {}
-        for run in runs:
-            out = root / run.path
-            if (out / "summary.json").exists():
-                data[run.name], status[run.name] = read_run(out), "reported"
-                codes[run.name] = json.loads((out / "run.json").read_text()).get("provenance", {})
-            else:
-                status[run.name] = "not finished"
-        first = next(iter(codes.values()), {})
-        if not all(same_code(first, code) for code in codes.values()):
-            shown = {name: describe(code) for name, code in codes.items()}
-            log(f"warning: these runs ran different code: {shown}")
-        write(data, status)
-        return status
-    for run in runs:
-        out = root / run.path
-        left = deadline - time.time()
-        if left < 60 and not _matches(out, run.command(schedule, out)):
-            status[run.name] = "skipped (study time budget spent)"
-            log(f"{run.name}: {status[run.name]}")
-            if out.exists():
-                data[run.name] = read_run(out)
-            continue
-        status[run.name] = train(
-            run,
-            schedule,
-            root / run.path,
-            timeout=left,
-            in_process=in_process,
-            machine=machine,
-            log=log,
-        )
-        data[run.name] = read_run(root / run.path)
-        write(data, status)
-    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

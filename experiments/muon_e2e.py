@@ -12,7 +12,7 @@ AdamW on the rest) under the ZeRO++ engine's defaults (int8 weights, hpZ, int4 t
 gradients) and under XLA's FSDP (`--engine xla-fsdp`: `jax.jit` with sharded parameters,
 the arrays keep their shapes), with the same seed, data order and validation batches;
 and, as the control, the same pair with `--optimizer adamw`. Each run is one
-`python -m zeropp_jax.train` process (`experiments/convergence.py`'s runner); a finished
+`python -m zeropp_jax.train` process (`experiments/_study_runs.py`); a finished
 run of the same command by the same code is reused.
 
 Writes `muon_e2e.csv` and `muon_e2e.md` into `--out` (default `experiments/results/`),
@@ -42,6 +42,7 @@ import _common
 
 _common.request_cpu_devices(8)
 
+import _study_runs  # noqa: E402
 import convergence  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -80,7 +81,7 @@ COLUMNS = (
 )
 
 
-def phase_ledger(variant: str, schedule: convergence.Schedule) -> dict[str, Any]:
+def phase_ledger(variant: str, schedule: _study_runs.Schedule) -> dict[str, Any]:
     """Bytes of one compiled step of `variant`, per phase, in units of M: through the
     busiest node link and sent per device."""
     import jax
@@ -129,7 +130,7 @@ def _short(provenance: dict[str, Any]) -> str:
 
 
 def rows_of(
-    runs: Sequence[convergence.Run], root: pathlib.Path, schedule: convergence.Schedule
+    runs: Sequence[_study_runs.Run], root: pathlib.Path, schedule: _study_runs.Schedule
 ) -> list[dict[str, Any]]:
     """One row per finished run (`COLUMNS`); the phase ledger is computed once per run and
     kept beside it (`phases.json`)."""
@@ -169,8 +170,8 @@ def rows_of(
 
 def markdown(
     rows: Sequence[dict[str, Any]],
-    runs: Sequence[convergence.Run],
-    schedule: convergence.Schedule,
+    runs: Sequence[_study_runs.Run],
+    schedule: _study_runs.Schedule,
     root: pathlib.Path,
     status: dict[str, str],
 ) -> str:
@@ -278,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Every variant is listed (the report shows all finished runs); only `names` train.
     runs = [
-        convergence.Run(name=n, label=n, path=n, trainer_flags=VARIANTS[n][2]) for n in VARIANTS
+        _study_runs.Run(name=n, label=n, path=n, trainer_flags=VARIANTS[n][2]) for n in VARIANTS
     ]
     status: dict[str, str] = {}
 
@@ -296,12 +297,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = next(r for r in runs if r.name == name)
         began = time.time()
         if longest and began + 1.2 * longest > deadline and not args.report_only:
-            if not convergence._matches(root / run.path, run.command(schedule, root / run.path)):
+            if not _study_runs.matches(root / run.path, run.command(schedule, root / run.path)):
                 status[name] = "skipped (would not finish within --budget-min)"
                 log(f"{name}: {status[name]}")
                 continue
         status.update(
-            convergence.run_study(
+            _study_runs.run_study(
                 [run],
                 schedule,
                 root,

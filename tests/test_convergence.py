@@ -11,6 +11,7 @@ EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
 import _convergence_report  # noqa: E402
+import _study_runs  # noqa: E402
 import convergence  # noqa: E402
 
 
@@ -52,7 +53,7 @@ def _record_code(run: pathlib.Path, code: dict) -> None:
 def test_a_finished_run_is_reused_only_by_the_same_code(quick, capsys, monkeypatch):
     # Whatever state this checkout is in, pretend both runs and this process ran one
     # clean commit; then make one run's record name another commit.
-    monkeypatch.setattr(convergence, "CODE", CLEAN)
+    monkeypatch.setattr(_study_runs, "CODE", CLEAN)
     for name in convergence.QUICK_VARIANTS:
         _record_code(quick / "convergence" / name, CLEAN)
     assert convergence.main(["--quick", "--in-process", "--out", str(quick)]) == 0
@@ -90,7 +91,7 @@ def test_report_only_rewrites_the_tables_from_any_code_and_says_when_it_differs(
 ):
     # The runs ran other code than this process: nothing trains, the tables are rewritten
     # from them, and the log names the codes when the runs disagree among themselves.
-    monkeypatch.setattr(convergence, "CODE", dict(CLEAN, commit="e" * 40))
+    monkeypatch.setattr(_study_runs, "CODE", dict(CLEAN, commit="e" * 40))
     for i, name in enumerate(convergence.QUICK_VARIANTS):
         _record_code(quick / "convergence" / name, dict(CLEAN, commit=str(i) * 40))
     (quick / "convergence.md").unlink()
