@@ -141,6 +141,7 @@ def make_island_apply(
             )
 
         def body(p, refs, res, batch, rep, oth, keys, steps):
+            p = [part.island_shard(x, lo) for x, lo in zip(p, leaf_layouts, strict=True)]
             if check_vma:
                 # A reference is the same on every node; marked node-invariant, it would
                 # make the weight invariant too, and autodiff would psum the weight's

@@ -292,7 +292,11 @@ def run(
             ]
             g_cs = [a + b for a, b in zip(g_cs, _inexact(consts, d_consts), strict=True)]
             d_plain = [d if fl else None for d, fl in zip(d_plain, floats, strict=True)]
-            return (g_c, g_cs), (d_plain, [d for d, _ in reduced], [r for _, r in reduced])
+            d_layers = [
+                _as_layer_rows(d, lo, g.num_devices)
+                for (d, _), lo in zip(reduced, loop.layouts, strict=True)
+            ]
+            return (g_c, g_cs), (d_plain, d_layers, [r for _, r in reduced])
 
         (g_c, g_cs), (d_plain, d_pieces, new_feedback) = pipelined(
             fetch_back, compute, (g_carry, g_cs), g_carry, loop.length, loop.lookahead, reverse=True
@@ -302,6 +306,7 @@ def run(
             for d, fl, x in zip(d_plain, floats, plain, strict=True)
         ]
         new_feedback = loop.residuals_of(new_feedback)
+        d_pieces = [d.reshape(x.shape) for d, x in zip(d_pieces, shards, strict=True)]
         return d_pieces, new_feedback, _consts_cotangent(consts, g_cs), g_c, d_plain
 
     @jax.custom_vjp
@@ -450,6 +455,16 @@ def _from_bits(xs: list[Any], dtypes: list[Any]) -> list[Any]:
         lax.bitcast_convert_type(x, d) if jnp.result_type(x) != d else x
         for x, d in zip(xs, dtypes, strict=True)
     ]
+
+
+def _as_layer_rows(piece: jax.Array, layout: part.LeafLayout, num_devices: int) -> jax.Array:
+    """One layer's reduced gradient piece in the shape it is stacked in: a stacked leaf's
+    device rows, `(padded_rows / N, *row_shape[1:])`, as it is stored (`partition`), so
+    that the stack of every layer's is the stored gradient, written in place (XLA copies a
+    stack written flat and then reshaped); as it is otherwise."""
+    if layout.stacked and not layout.tensor_parallel:
+        return piece.reshape(layout.padded_rows // num_devices, *layout.row_shape[1:])
+    return piece
 
 
 def _take(stacks: Any, i: Any) -> Any:

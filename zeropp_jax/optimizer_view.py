@@ -67,10 +67,13 @@ def to_view(x: jax.Array, layout: part.LeafLayout, mesh: Mesh) -> jax.Array:
     `layout.shape`, dtype kept), sharded by `view_spec`. Leaves not sharded: as they are."""
     if not layout.sharded:
         return x
-    if not (layout.stacked or layout.tensor_parallel):
-        v = jax.lax.slice_in_dim(x, 0, layout.shape[0], axis=0)
-    elif not layout.tensor_parallel:
-        v = _crop_rows(x, layout, 1)
+    if not layout.tensor_parallel:
+        axis = 1 if layout.stacked else 0
+        v = (
+            x
+            if x.shape == layout.shape
+            else jax.lax.slice_in_dim(x, 0, layout.shape[axis], axis=axis)
+        )
     else:
         lead = 1 if layout.stacked else 0
         v = _crop_rows(x, layout, lead + 1)  # (layers?, K, *row_shape)
@@ -83,10 +86,8 @@ def from_view(v: jax.Array, layout: part.LeafLayout, mesh: Mesh) -> jax.Array:
     zero, dtype kept, sharded like the stored parameter."""
     if not layout.sharded:
         return v
-    if not (layout.stacked or layout.tensor_parallel):
-        x = jnp.pad(v, [(0, layout.padded - layout.shape[0])] + [(0, 0)] * (v.ndim - 1))
-    elif not layout.tensor_parallel:
-        x = _pad_rows(v, layout, 1)
+    if not layout.tensor_parallel:
+        x = part.resize_padding(v, layout)
     else:
         lead = 1 if layout.stacked else 0
         d, k = layout.model_dim, layout.model_size

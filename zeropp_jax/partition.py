@@ -6,14 +6,16 @@ A float leaf is cast to float32 (the master copy) and sharded over all `N` devic
 - a leaf of rank 1 or 2, `(d0, ...)`, is zero-padded to `ceil(d0 / N) * N` rows and
   sharded along axis 0 (`PartitionSpec(('local', 'node'))`): each device holds whole rows.
 - a leaf of rank >= 3, `(d0, d1, ...)`, is treated as stacked (`(layers, rows, cols)`, as
-  `nn.scan`, `nnx.scan` and MaxText lay out LLM blocks): axis 0 is kept whole and the leaf
-  is stored as `(d0, C)`, each slice along axis 0 zero-padded in rows, `d1` to
-  `ceil(d1 / N) * N`, and flattened (`C = ceil(d1 / N) * N * d2 * ...` values), sharded
-  along axis 1 (`PartitionSpec(None, ('local', 'node'))`). A scan over the layer axis
-  finds each layer's slice sharded and padded on its own; the layer axis is never split or
-  padded. Within a layer each device holds whole rows of the slice (contiguous values), so
-  that the model-shaped view of the leaf (`zeropp_jax.optimizer_view`) is a crop of the
-  padded rows, per device.
+  `nn.scan`, `nnx.scan` and MaxText lay out LLM blocks): axis 0 is kept whole and each
+  slice along it is zero-padded in rows, `d1` to `ceil(d1 / N) * N`: stored
+  `(d0, ceil(d1 / N) * N, d2, ...)`, sharded along axis 1 (`PartitionSpec(None, ('local',
+  'node'))`). A scan over the layer axis finds each layer's slice sharded and padded on
+  its own; the layer axis is never split or padded. Within a layer each device holds whole
+  rows of the slice (contiguous values, `C / N` of the `C = ceil(d1 / N) * N * d2 * ...`),
+  so that the model-shaped view of the leaf (`zeropp_jax.optimizer_view`) is a crop of the
+  padded rows, per device, and no reshape at all when `N` divides `d1`: the optimizer
+  updates the stored arrays in place. Inside the island a device's shard is flattened per
+  layer, `(d0, C / N)`.
 
 A stacked leaf's per-layer vectors (biases, norm scales: `(layers, width)`, rank 2) have
 the rank-2 layout: they are small, and a scan gathers them whole (see `placement`).
@@ -55,7 +57,8 @@ MODEL_AXIS = "model"
 PARAM_SPEC = P(("local", "node"))
 """Spec of a sharded parameter of rank 1 or 2 (and of its optimizer state)."""
 ROW_PARAM_SPEC = P(None, ("local", "node"))
-"""Spec of a stacked parameter (rank >= 3), stored `(d0, C)` (and of its optimizer state)."""
+"""Spec of a stacked parameter (rank >= 3), stored `(d0, padded rows, ...)` (and of its
+optimizer state)."""
 BATCH_SPEC = P(("node", "local"))
 """Spec of a batch: leading dimension over all devices in node-major order."""
 REPLICATED = P()
@@ -64,8 +67,11 @@ REFERENCE_SPEC = P("local")
 `(padded_size,)`, each local rank's secondary shard, the same on every node."""
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-LAYOUT_VERSION = 2
-"""The stored layout's version (see `with_devices`); checkpoints record it."""
+LAYOUT_VERSION = 3
+"""The stored layout's version (see `with_devices`); checkpoints record it. Version 3
+stores a stacked leaf in its padded model shape, `(d0, padded rows, d2, ...)`; version 2
+(the same values) flattened each layer, `(d0, C)`; version 1 also padded the flattened
+values rather than rows (`zeropp_jax.checkpoint` restores all three)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +84,8 @@ class LeafLayout:
       sharded: True for float leaves with at least one dimension (sharded float32 master
         copy); False for replicated leaves.
       padded: rank <= 2, the rows after padding (axis 0 is sharded); rank >= 3, `C`, the
-        values per row after padding (axis 0 is kept whole); tensor-parallel, `C`, the
+        values per kept row (one layer) after padding (axis 0 is kept whole; stored with
+        those values as `(padded_rows, *row_shape[1:])`); tensor-parallel, `C`, the
         values of one `model` slice (one layer's, stacked) after padding; 0 if not sharded.
       model_dim: the axis of `shape` split over the `model` mesh axis (tensor
         parallelism), or None.
@@ -155,8 +162,18 @@ class LeafLayout:
 
     @property
     def padded_axis(self) -> int:
-        """The axis of the stored leaf that padding lengthens (-1: the last)."""
-        return -1 if self.stacked or self.tensor_parallel else 0
+        """The axis of the stored leaf that padding lengthens (-1: the last): 1 for a
+        stacked leaf, the last for a tensor-parallel one, else 0."""
+        if self.tensor_parallel:
+            return -1
+        return 1 if self.stacked else 0
+
+    @property
+    def padded_length(self) -> int:
+        """The length of `padded_axis` in the stored leaf."""
+        if self.stacked and not self.tensor_parallel:
+            return self.padded_rows
+        return self.padded
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -168,7 +185,7 @@ class LeafLayout:
                 return (self.lead, self.model_size, self.padded)
             return (self.model_size, self.padded)
         if self.stacked:
-            return (self.lead, self.padded)
+            return (self.lead, self.padded_rows, *self.row_shape[1:])
         return (self.padded, *self.shape[1:])
 
     @property
@@ -208,10 +225,11 @@ def with_devices(
 ) -> LeafLayout:
     """The layout of the same leaf padded for `num_devices` data-parallel devices.
 
-    `version` 2 (this one) pads whole rows: a stacked or tensor-parallel leaf's kept row
-    (one layer, one `model` slice) is padded along its first axis (`row_shape[0]`) to a
+    `version` 3 (this one) and 2 pad whole rows: a stacked or tensor-parallel leaf's kept
+    row (one layer, one `model` slice) is padded along its first axis (`row_shape[0]`) to a
     multiple of `num_devices`, so that every device holds whole rows and the model-shaped
-    view is a crop. `version` 1 (checkpoints written before) padded the kept row's
+    view is a crop (they differ only in how a stacked leaf is stored, see
+    `LAYOUT_VERSION`). `version` 1 (checkpoints written before) padded the kept row's
     flattened values to a multiple of `num_devices`.
     """
     if not layout.sharded:
@@ -221,8 +239,8 @@ def with_devices(
         return dataclasses.replace(layout, padded=-(-n // num_devices) * num_devices)
     if version == 1:
         return dataclasses.replace(layout, padded=-(-layout.cols // num_devices) * num_devices)
-    if version != LAYOUT_VERSION:
-        raise ValueError(f"layout version must be 1 or {LAYOUT_VERSION}, got {version!r}.")
+    if version not in (2, LAYOUT_VERSION):
+        raise ValueError(f"layout version must be 1, 2 or {LAYOUT_VERSION}, got {version!r}.")
     rows, *rest = layout.row_shape
     per_row = math.prod(rest)
     return dataclasses.replace(layout, padded=-(-rows // num_devices) * num_devices * per_row)
@@ -287,8 +305,6 @@ def to_master(x: jax.Array, layout: LeafLayout) -> jax.Array:
     x = jnp.asarray(x, jnp.float32)
     if layout.tensor_parallel:
         x = _split_model(x, layout, 1 if layout.stacked else 0)
-    elif layout.stacked:
-        x = x.reshape(layout.lead, layout.cols)
     return resize_padding(x, layout)
 
 
@@ -298,7 +314,7 @@ def from_master(x: jax.Array, layout: LeafLayout, dtype: Any = None) -> jax.Arra
         if layout.tensor_parallel:
             x = _join_model(x[..., : layout.cols], layout, False)
         elif layout.stacked:
-            x = x[:, : layout.cols].reshape(layout.shape)
+            x = x[:, : layout.shape[1]]
         else:
             x = x[: layout.shape[0]]
     return x.astype(layout.dtype if dtype is None else dtype)
@@ -307,9 +323,11 @@ def from_master(x: jax.Array, layout: LeafLayout, dtype: Any = None) -> jax.Arra
 def resize_padding(x: jax.Array, layout: LeafLayout) -> jax.Array:
     """Crops or zero-pads the padded axis of `x` (a stored leaf, e.g. padded for another
     mesh) to `layout`'s padding."""
-    axis = x.ndim - 1 if layout.stacked or layout.tensor_parallel else 0
-    want, have = layout.padded, x.shape[axis]
-    if have >= want:
+    axis = layout.padded_axis % x.ndim
+    want, have = layout.padded_length, x.shape[axis]
+    if have == want:
+        return x
+    if have > want:
         return lax.slice_in_dim(x, 0, want, axis=axis)
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, want - have)
@@ -365,6 +383,15 @@ def pieces_to_stored(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.
         return x.reshape(layout.stored_shape)
     x = x.reshape(num_devices, layout.lead, layout.padded // num_devices)
     return jnp.swapaxes(x, 0, 1).reshape(layout.stored_shape)
+
+
+def island_shard(shard: jax.Array, layout: LeafLayout) -> jax.Array:
+    """A device's stored shard as the island works on it (per device, inside shard_map): a
+    stacked leaf's `(layers, padded rows / N, ...)` flattened per layer, `(layers, C / N)`
+    (a bitcast); every other shard as it is."""
+    if layout.stacked and not layout.tensor_parallel:
+        return shard.reshape(shard.shape[0], -1)
+    return shard
 
 
 def stored_to_pieces(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
