@@ -141,7 +141,7 @@ def test_checkpoint_errors(tmp_path):
 
 
 def _stacked_state(tx, mesh):
-    """A state with a stacked leaf (whose stored layout changed from version 1 to 2) and
+    """A state with a stacked leaf (whose stored layout changed in versions 2 and 3) and
     one step taken, so that the optimizer's moments are not zero."""
     params = {
         "stack": jnp.arange(3 * 5 * 7, dtype=jnp.float32).reshape(3, 5, 7) / 100,
@@ -158,17 +158,20 @@ def _stacked_state(tx, mesh):
     return jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
 
 
-def _write_layout_1(path, state, opt_leaves):
-    """`state` saved as the previous layout wrote it: stacked leaves padded in values
-    (`C = ceil(35 / 8) * 8 = 40` here, not 8 rows x 7 = 56), no `layout` field; the
-    optimizer state's leaves are `opt_leaves(v2 leaves)`."""
+def _write_layout_1(path, state, opt_leaves, version=1):
+    """`state` saved as a previous layout wrote it: stacked leaves flattened per layer,
+    version 1 padded in values (`C = ceil(35 / 8) * 8 = 40` here, not 8 rows x 7 = 56)
+    with no `layout` field, version 2 padded in rows (56); the optimizer state's leaves are
+    `opt_leaves(those leaves)`."""
     import json
     import os
 
     from zeropp_jax import checkpoint
 
     def v1(x):
-        return x[:, :40] if x.shape == (3, 56) else x
+        if x.shape != (3, 8, 7):
+            return x
+        return x.reshape(3, 56)[:, :40] if version == 1 else x.reshape(3, 56)
 
     tree = {
         "step": state.step,
@@ -180,7 +183,10 @@ def _write_layout_1(path, state, opt_leaves):
         "skipped_steps": state.skipped_steps,
     }
     meta = checkpoint._metadata(state)
-    del meta["layout"]
+    if version == 1:
+        del meta["layout"]
+    else:
+        meta["layout"] = version
     meta["stored_shapes"] = [list(x.shape) for x in jax.tree_util.tree_leaves(tree)]
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(os.path.join(path, checkpoint.STATE_DIR), tree)
@@ -190,16 +196,18 @@ def _write_layout_1(path, state, opt_leaves):
         json.dump(meta, f)
 
 
-def test_restores_a_checkpoint_of_the_previous_layout(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_restores_a_checkpoint_of_the_previous_layout(tmp_path, version):
     mesh = mesh_of((2, 4))
     tx = optax.adam(0.1)
     state = _stacked_state(tx, mesh)
-    assert state.params["stack"].shape == (3, 56)  # 5 rows padded to 8, per layer
-    _write_layout_1(tmp_path / "v1", state, lambda leaves: leaves)
+    assert state.params["stack"].shape == (3, 8, 7)  # 5 rows padded to 8, per layer
+    _write_layout_1(tmp_path / "v", state, lambda leaves: leaves, version)
     target = zpp.TrainState.create(
         apply_fn=lambda v, x: x, params=zpp.gather_params(state), tx=tx, mesh=mesh
     )
-    restored = zpp.restore_checkpoint(tmp_path / "v1", target)
+    restored = zpp.restore_checkpoint(tmp_path / "v", target)
+    assert restored.params["stack"].shape == (3, 8, 7)
     for a, b in zip(
         jax.tree_util.tree_leaves((restored.params, restored.opt_state)),
         jax.tree_util.tree_leaves((state.params, state.opt_state)),

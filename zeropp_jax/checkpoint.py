@@ -251,10 +251,10 @@ def _layout_version(meta: dict[str, Any]) -> int:
     """The stored layout a checkpoint was written in (`partition.with_devices`): 1 for
     checkpoints without the field (written before the optimizer saw model shapes)."""
     version = int(meta.get("layout", 1))
-    if version not in (1, part.LAYOUT_VERSION):
+    if version not in (1, 2, part.LAYOUT_VERSION):
         raise ValueError(
             f"the checkpoint's stored layout is version {version}; this zeropp_jax reads "
-            f"versions 1 and {part.LAYOUT_VERSION}: restore it with the zeropp_jax that wrote it."
+            f"versions 1 to {part.LAYOUT_VERSION}: restore it with the zeropp_jax that wrote it."
         )
     return version
 
@@ -279,7 +279,7 @@ def _check_optimizer_layout(
     """Raises for a checkpoint of layout 1 whose optimizer state holds a leaf that is
     neither shaped as the target's nor a moment of a parameter (so crop and pad cannot
     carry it over): a transform that read the padded layout's shapes."""
-    if _layout_version(meta) == part.LAYOUT_VERSION:
+    if _layout_version(meta) >= 2:
         return
     flat = jax.tree_util.tree_flatten_with_path(want)[0]
     opt = [
@@ -320,8 +320,50 @@ def _leaf_layouts_by_path(
 
 
 def _relayout(x: jax.Array, old: part.LeafLayout, new: part.LeafLayout) -> jax.Array:
-    """A stored leaf (or a moment shaped like it) in layout `old` -> layout `new`."""
+    """A stored leaf (or a moment shaped like it) in layout `old` -> layout `new`; a stacked
+    leaf saved flat per layer (layouts 1 and 2) is read as such."""
+    if _is_flat_stacked(tuple(x.shape), old):
+        return _unflatten(x, old, new)
     return part.to_master(part.from_master(x, old, jnp.float32), new)
+
+
+def _is_flat_stacked(saved: tuple[int, ...], layout: part.LeafLayout) -> bool:
+    """Whether a saved leaf is a stacked leaf of `layout` (or a moment shaped like it)
+    stored flat per layer, `(layers, values)`, as layouts 1 and 2 stored it."""
+    return (
+        layout.stacked
+        and not layout.tensor_parallel
+        and len(saved) == 2
+        and saved[0] == layout.lead
+        and saved[1] >= layout.cols
+    )
+
+
+def _unflatten(x: jax.Array, saved: part.LeafLayout, new: part.LeafLayout) -> jax.Array:
+    """A stacked leaf saved flat per layer, `(layers, padded values)` (layouts 1 and 2:
+    each layer's values first, then its padding), -> layout `new`."""
+    return part.to_master(x[:, : saved.cols].reshape(saved.shape), new)
+
+
+def _stacked_by_path(want: Any, target: TrainState) -> list[part.LeafLayout | None]:
+    """Per leaf of `want`, the layout of the stacked parameter (not split over `model`) it
+    is or mirrors (an Adam moment, by the end of its path and its shape), else None."""
+    paths = [p for p, _, _ in _param_table(target)]
+    layouts = target.layouts[1]
+    out: list[part.LeafLayout | None] = []
+    for path, x in jax.tree_util.tree_flatten_with_path(want)[0]:
+        key = jax.tree_util.keystr(path)
+        match = [
+            i
+            for i, p in enumerate(paths)
+            if key.endswith(p)
+            and layouts[i].stacked
+            and not layouts[i].tensor_parallel
+            and tuple(x.shape) == layouts[i].stored_shape
+        ]
+        i = max(match, key=lambda i: len(paths[i]), default=None)
+        out.append(None if i is None else layouts[i])
+    return out
 
 
 def _padded_axis(saved: tuple[int, ...], target: tuple[int, ...]) -> int | None:
@@ -398,8 +440,13 @@ def restore_checkpoint(
     saved_res = meta.get("error_feedback")
     n_dp = data_parallel_size(mesh)
     relayouts = _leaf_layouts_by_path(want, target, _saved_layouts(meta, target))
+    stacked = _stacked_by_path(want, target)
+    flat = [
+        lo is not None and r is None and _is_flat_stacked(shape, lo)
+        for shape, lo, r in zip(shapes, stacked, relayouts, strict=True)
+    ]
 
-    def abstract(shape, tgt, relayout, opt):
+    def abstract(shape, tgt, relayout, opt, flat):
         sharding = tgt.sharding
         if opt and reset_optimizer:  # read as saved, then dropped
             return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=replicated)
@@ -408,7 +455,7 @@ def restore_checkpoint(
             # over the data-parallel axes as saved where they divide it, else whole, then
             # laid out again.
             old = relayout[0]
-            if shape != old.stored_shape:
+            if shape != old.stored_shape and not _is_flat_stacked(shape, old):
                 raise ValueError(
                     f"checkpoint leaf of shape {shape} does not have the shape of its saved "
                     f"layout {old.stored_shape}; the checkpoint's metadata is inconsistent."
@@ -417,6 +464,11 @@ def restore_checkpoint(
             axis = old.padded_axis % len(shape)
             if shape[axis] % n_dp:
                 spec = part.REPLICATED
+            return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=NamedSharding(mesh, spec))
+        if flat:
+            # A stacked leaf stored flat per layer (layouts 1 and 2): read as saved, then
+            # cut to its values, shaped and padded in rows.
+            spec = part.ROW_PARAM_SPEC if shape[1] % n_dp == 0 else part.REPLICATED
             return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=NamedSharding(mesh, spec))
         if shape != tuple(tgt.shape):
             # Padded for another device count (axis 0, or the last axis of a stacked
@@ -434,7 +486,7 @@ def restore_checkpoint(
 
     abstract_tree = jax.tree_util.tree_unflatten(
         want_def,
-        [abstract(*a) for a in zip(shapes, want_leaves, relayouts, is_opt, strict=True)],
+        [abstract(*a) for a in zip(shapes, want_leaves, relayouts, is_opt, flat, strict=True)],
     )
     if saved_res is not None:
         abstract_tree["error_feedback"] = _abstract_residuals(saved_res, mesh)
@@ -446,9 +498,13 @@ def restore_checkpoint(
     loaded = ckptr.restore(state_path, abstract_tree)
     ckptr.close()
 
-    def fit(x, tgt, relayout, opt):
+    def fit(x, tgt, relayout, opt, layout):
         if opt and reset_optimizer:
             return tgt
+        if layout is not None and _is_flat_stacked(tuple(x.shape), layout) and relayout is None:
+            return jax.jit(_unflatten, static_argnums=(1, 2), out_shardings=tgt.sharding)(
+                x, layout, layout
+            )
         if relayout is not None:
             return jax.jit(_relayout, static_argnums=(1, 2), out_shardings=tgt.sharding)(
                 x, *relayout
@@ -465,7 +521,7 @@ def restore_checkpoint(
     loaded_leaves = jax.tree_util.tree_leaves(loaded)
     loaded = jax.tree_util.tree_unflatten(
         want_def,
-        [fit(*a) for a in zip(loaded_leaves, want_leaves, relayouts, is_opt, strict=True)],
+        [fit(*a) for a in zip(loaded_leaves, want_leaves, relayouts, is_opt, stacked, strict=True)],
     )
     restored = target.replace(
         step=loaded["step"],
@@ -557,5 +613,10 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
     old_n = old_nn * old_ll
     version = _layout_version(meta)
     old_layouts = tuple(part.with_devices(lo, old_n, version=version) for lo in target.layouts[1])
-    mass = R.missing_mass(loaded, old_layouts, old_nn, old_ll)
+    mass = R.missing_mass(loaded, old_layouts, old_nn, old_ll, flat_stacked=version < 3)
+    if version < 3:
+        mass = tuple(
+            m if m is None or not _is_flat_stacked(tuple(m.shape), old) else _unflatten(m, old, new)
+            for m, old, new in zip(mass, old_layouts, target.layouts[1], strict=True)
+        )
     return R.respread(mass, target.layouts[1], target.config, target.mesh)

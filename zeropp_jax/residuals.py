@@ -136,11 +136,14 @@ def missing_mass(
     leaf_layouts: tuple[part.LeafLayout, ...],
     num_nodes: int,
     local_size: int,
+    *,
+    flat_stacked: bool = False,
 ) -> tuple[jax.Array | None, ...]:
     """Per sharded leaf, what the reduced gradients still owe: the sum over devices of the
     hop-1 residuals plus the hop-2 residuals put back at their values, in the stored
-    layout of the parameter (`layout.stored_shape`). What `respread` distributes on
-    another mesh."""
+    layout of the parameter (`layout.stored_shape`; with `flat_stacked`, a stacked leaf's
+    flat per layer, `(layers, padded)`, as layouts 1 and 2 stored it). What `respread`
+    distributes on another mesh."""
     n = num_nodes * local_size
 
     def owed(lo: part.LeafLayout, r1: jax.Array | None, r2: jax.Array | None) -> jax.Array:
@@ -151,6 +154,10 @@ def missing_mass(
         if r2 is not None:
             per = r2.reshape(num_nodes, local_size, num_nodes * (size // n)).sum(0)
             total = total + per.reshape(size)
+        if flat_stacked and lo.stacked and not lo.tensor_parallel:
+            return jnp.swapaxes(total.reshape(n, lo.lead, lo.padded // n), 0, 1).reshape(
+                lo.lead, lo.padded
+            )
         return part.pieces_to_stored(total, lo, n)
 
     out: list[jax.Array | None] = []
