@@ -339,3 +339,13 @@ def test_study_variants_folders_and_log(tmp_path, capsys):
     lines = (root / "log.txt").read_text().splitlines()
     assert [line.split("] ", 1)[1] for line in lines] == ["one", "two"]
     assert capsys.readouterr().out.splitlines() == lines
+
+
+def test_layout_memory_extracts_the_package_of_a_commit(tmp_path):
+    import layout_memory as lm
+
+    short = lm.extract("HEAD", tmp_path)
+    assert short and (tmp_path / "zeropp_jax" / "partition.py").is_file()
+    assert not (tmp_path / "tests").exists()
+    with pytest.raises(SystemExit, match="unknown models"):
+        lm.main(["--models", "gpt,70b", "--out", str(tmp_path)])
