@@ -8,9 +8,11 @@ state mirrors those shapes; a state leaf shaped like a parameter (a moment, a tr
 kept between steps in the parameter's stored layout (`partition`), padding zero, and every
 other leaf (counts, factored statistics) replicated.
 
-Because the stored layout pads whole rows (`partition.with_devices`), a view is a crop of
-the padded rows and each device's rows stay where they are: elementwise transforms (Adam,
-Lion, SGD) add no collective. A transform that reads more than a device's rows (Muon's
+Because the stored layout pads whole rows (`partition.with_devices`) and keeps a leaf's
+rank (a stacked leaf is `(layers, padded rows, ...)`), a view is a crop of the padded rows,
+each device's rows stay where they are, and where the device count divides the rows the
+view is the stored array itself: elementwise transforms (Adam, Lion, SGD) add no
+collective and no copy (XLA updates the stored moments in place). A transform that reads more than a device's rows (Muon's
 matrix products) makes XLA gather inside the update; those collectives sit under the
 named scope `UPDATE_SCOPE`, and the ledger lists them as the `update` phase.
 """
