@@ -43,9 +43,11 @@ GB = 1e9
 
 
 def worker(argv: list[str]) -> None:
-    """Prints one JSON row per (model, engine): compiled memory per device."""
+    """`TREE MODELS`: imports `zeropp_jax` from the folder `TREE` and prints one JSON row
+    per (model, engine): compiled memory per device."""
     import os
 
+    sys.path.insert(0, argv[0])  # before this checkout's root, which `_common` put first
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax
     import jax.numpy as jnp
@@ -57,7 +59,7 @@ def worker(argv: list[str]) -> None:
     from zeropp_jax.train.flags import gpt_config, parse_args
     from zeropp_jax.train.model import GPT, init_fn
 
-    for model in argv[0].split(","):
+    for model in argv[1].split(","):
         args = parse_args(MODELS[model])
         gpt = gpt_config(args)
         mesh = zpp.make_mesh(2, 4, devices=jax.devices()[:8])
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     for commit in args.commits.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             short = extract(commit, pathlib.Path(tmp))
-            cmd = ["env", f"PYTHONPATH={tmp}", sys.executable, __file__, "--worker", args.models]
+            cmd = [sys.executable, __file__, "--worker", tmp, args.models]
             for r in worker_rows(cmd, f"layout_memory worker at {short}"):
                 if not r["package"].startswith(tmp):
                     raise SystemExit(
