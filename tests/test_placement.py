@@ -186,12 +186,12 @@ def test_stacked_leaf_keeps_its_layer_axis_and_shards_each_layer():
         apply_fn=lambda v, x: x, params=params, tx=TX, mesh=mesh, config=zpp.ZeroPPConfig()
     )
     w = state.params["w"]
-    per_layer = WIDTH * WIDTH
-    assert w.shape == (LAYERS, -(-per_layer // 8) * 8)
+    rows = -(-WIDTH // 8) * 8
+    assert w.shape == (LAYERS, rows, WIDTH)
     for shard in w.addressable_shards:
-        # Every device holds ceil(per-layer size / N) values of each layer: nothing is
-        # padded along the layer axis.
-        assert shard.data.shape == (LAYERS, -(-per_layer // 8))
+        # Every device holds ceil(rows / N) whole rows of each layer: nothing is padded
+        # along the layer axis.
+        assert shard.data.shape == (LAYERS, rows // 8, WIDTH)
 
 
 def test_ledger_of_a_scan_counts_each_layer_inside_the_loop():
