@@ -24,10 +24,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from zeropp_jax.quant import XLA_CODEC, Codec, check_bits
-from zeropp_jax.reductions import (  # noqa: F401 (zeropp_jax.weight_gather imports them from here)
-    flat_reduce_scatter,
-    two_hop_reduce_scatter,
-)
 from zeropp_jax.wire import (
     AxisName,
     Format,

@@ -12,9 +12,10 @@ Because the stored layout pads whole rows (`partition.with_devices`) and keeps a
 rank (a stacked leaf is `(layers, padded rows, ...)`), a view is a crop of the padded rows,
 each device's rows stay where they are, and where the device count divides the rows the
 view is the stored array itself: elementwise transforms (Adam, Lion, SGD) add no
-collective and no copy (XLA updates the stored moments in place). A transform that reads more than a device's rows (Muon's
-matrix products) makes XLA gather inside the update; those collectives sit under the
-named scope `UPDATE_SCOPE`, and the ledger lists them as the `update` phase.
+collective and no copy (XLA updates the stored moments in place). A transform that reads
+more than a device's rows (Muon's matrix products) makes XLA gather inside the update;
+those collectives sit under the named scope `UPDATE_SCOPE`, and the ledger lists them as
+the `update` phase.
 """
 
 from __future__ import annotations

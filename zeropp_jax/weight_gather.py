@@ -22,13 +22,12 @@ from jax.ad_checkpoint import checkpoint_name
 from zeropp_jax import feedback
 from zeropp_jax.collectives import (
     flat_all_gather,
-    flat_reduce_scatter,
     gather_from_secondary,
     requantize_secondary,
     secondary_gather,
-    two_hop_reduce_scatter,
 )
 from zeropp_jax.quant import XLA_CODEC, Codec
+from zeropp_jax.reductions import flat_reduce_scatter, two_hop_reduce_scatter
 from zeropp_jax.wire import Format, to_wire
 
 SECONDARY_NAME = "zeropp_secondary"
@@ -87,7 +86,7 @@ class GatherSpec:
     grad_hop2_rotation_block_size: int | None = None
 
     def two_hop_kwargs(self) -> dict[str, Any]:
-        """The keywords of `collectives.two_hop_reduce_scatter` for this reduction.
+        """The keywords of `reductions.two_hop_reduce_scatter` for this reduction.
 
         The format, block size and rotation of both hops, and the codec; the same
         keywords serve `feedback.two_hop_reduce_scatter_feedback`. Add `key` for
@@ -127,7 +126,7 @@ def gather_weight(
       x: per-device float32 master shard `(rows, ...)` in partition layout.
       spec: what to send.
       key: a PRNG key for stochastic rounding of the gradient reduction, the same on every
-        device (see `collectives.hop_keys`); None rounds to nearest. Not differentiated.
+        device (see `reductions.hop_keys`); None rounds to nearest. Not differentiated.
       residuals: `()`, or `(hop1_residual, hop2_residual)` for error feedback on the
         two-hop reduction (see `zeropp_jax.feedback`; None for a hop without). The forward
         pass ignores them; their cotangents are the new residuals.
