@@ -65,11 +65,16 @@ def markdown_table(head: Sequence[str], rows: Sequence[Sequence[Any]], align: st
     return "\n".join(lines) + "\n"
 
 
-def write_csv(path: pathlib.Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Writes dict rows (keys of the first row as the header)."""
+def write_csv(
+    path: pathlib.Path, rows: Sequence[Mapping[str, Any]], fieldnames: Sequence[str] = ()
+) -> None:
+    """Writes dict rows under the header `fieldnames` (default: the first row's keys; a
+    header alone when there are no rows)."""
+    if not fieldnames and not rows:
+        raise ValueError(f"write_csv({path}): no rows and no fieldnames; nothing to head it.")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(fieldnames or rows[0]))
         writer.writeheader()
         writer.writerows(rows)
 

@@ -246,7 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def write(*_: Any) -> None:
         rows = rows_of(runs, root)
-        _common.write_csv(out / "beyond_bytes.csv", [{c: r[c] for c in COLUMNS} for r in rows])
+        _common.write_csv(
+            out / "beyond_bytes.csv", [{c: r[c] for c in COLUMNS} for r in rows], COLUMNS
+        )
         first = dataclasses.replace(schedule, seed=seeds[0])
         (out / "beyond_bytes.md").write_text(markdown(rows, runs, first, root, status))
 

@@ -349,3 +349,12 @@ def test_layout_memory_extracts_the_package_of_a_commit(tmp_path):
     assert not (tmp_path / "tests").exists()
     with pytest.raises(SystemExit, match="unknown models"):
         lm.main(["--models", "gpt,70b", "--out", str(tmp_path)])
+
+
+def test_write_csv_heads_an_empty_table_with_its_fieldnames(tmp_path):
+    import _common
+
+    _common.write_csv(tmp_path / "t.csv", [], ("variant", "seed"))
+    assert (tmp_path / "t.csv").read_text().splitlines() == ["variant,seed"]
+    with pytest.raises(ValueError, match="no rows and no fieldnames"):
+        _common.write_csv(tmp_path / "u.csv", [])

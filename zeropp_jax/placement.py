@@ -91,7 +91,8 @@ class Lazy:
 
     Attributes:
       leaf: parameter leaf index.
-      shard: the per-device stored shard (`(lead, C / N)` or `(C / N,)`).
+      shard: the per-device shard as the island holds it (`partition.island_shard`:
+        `(lead, C / N)` or `(C / N,)`).
       aval: the abstract value this stands for (after `chain`).
       chain: layout-only equations `(primitive, params)` to apply after gathering.
     """
