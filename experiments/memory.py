@@ -273,6 +273,12 @@ def row_commits(md: pathlib.Path) -> dict[tuple[str, str, str], str]:
 
     head = md.read_text().split("\n\n")[1]
     lines = [line for line in head.splitlines() if line.startswith(RUN)]
+    if not lines:  # one run wrote the whole file: its machine line names the commit
+        commit = re.search(r"commit ([0-9a-f]{7,})", head)
+        rows = _read_rows(md.with_suffix(".csv"))
+        return {
+            (r["mesh"], r["model"], r["engine"]): commit.group(1) if commit else "?" for r in rows
+        }
     out = {}
     for line in lines:
         meshes, sizes, engines = line.removeprefix(RUN).split(":")[0].split(" | ")
