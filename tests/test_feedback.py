@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from zeropp_jax import feedback as F
 from zeropp_jax import make_mesh, reductions
+from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
@@ -306,3 +307,32 @@ def test_pallas_interpret_equals_xla_with_feedback():
         results.append(leaves(state.params))
     for a, b in zip(*results, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_missing_mass_of_a_stacked_leaf_respreads_onto_a_mesh_of_other_padding():
+    # A stacked leaf (3 layers of 5 x 7) is stored (3, 8, 7) on 8 devices and (3, 6, 7) on
+    # 6: what the residuals owe, respread onto the other mesh, is owed there again
+    # (stored layout 3 pads each layer in rows, axis 1).
+    layout = part.leaf_layout("stack", jnp.zeros((3, 5, 7)), 8)
+    mesh8, mesh6 = make_mesh(2, 4), make_mesh(2, 3, devices=jax.devices()[:6])
+    fresh = R.zeros((layout,), EF, mesh8)
+    rng = np.random.default_rng(0)
+    filled = {
+        hop: tuple(
+            None
+            if r is None
+            else jax.device_put(rng.normal(size=r.shape).astype(np.float32), r.sharding)
+            for r in rs
+        )
+        for hop, rs in fresh.items()
+    }
+    # Only values that stand for the leaf's real rows owe anything (padding's gradient is 0).
+    (mass,) = R.missing_mass(filled, (layout,), 2, 4)
+    assert mass.shape == layout.stored_shape == (3, 8, 7)
+    real = np.zeros(mass.shape, np.float32)
+    real[:, :5] = np.asarray(mass)[:, :5]
+    layout6 = part.with_devices(layout, 6)
+    assert layout6.stored_shape == (3, 6, 7)
+    moved = R.respread((jnp.asarray(real),), (layout6,), EF, mesh6)
+    (again,) = R.missing_mass(moved, (layout6,), 2, 3)
+    np.testing.assert_allclose(np.asarray(again), real[:, :6], rtol=1e-6, atol=1e-6)
