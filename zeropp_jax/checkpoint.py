@@ -38,8 +38,10 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+from zeropp_jax import optimizer_view
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
+from zeropp_jax import saved_layouts as L
 from zeropp_jax.engine import TrainState
 from zeropp_jax.mesh import data_parallel_size
 
@@ -85,12 +87,7 @@ def _refs_layout(state: TrainState) -> dict[str, Any] | None:
 
 def _param_table(state: TrainState) -> list[list[Any]]:
     treedef, layouts = state.layouts
-    paths = [
-        jax.tree_util.keystr(p)
-        for p, _ in jax.tree_util.tree_flatten_with_path(
-            jax.tree_util.tree_unflatten(treedef, list(layouts)), is_leaf=part.is_layout
-        )[0]
-    ]
+    paths = optimizer_view.param_paths(treedef, layouts)
     return [[p, list(lo.shape), lo.dtype] for p, lo in zip(paths, layouts, strict=True)]
 
 
@@ -247,142 +244,6 @@ def _check_compatible(meta: dict[str, Any], target: TrainState) -> None:
         )
 
 
-def _layout_version(meta: dict[str, Any]) -> int:
-    """The stored layout a checkpoint was written in (`partition.with_devices`): 1 for
-    checkpoints without the field (written before the optimizer saw model shapes)."""
-    version = int(meta.get("layout", 1))
-    if version not in (1, 2, part.LAYOUT_VERSION):
-        raise ValueError(
-            f"the checkpoint's stored layout is version {version}; this zeropp_jax reads "
-            f"versions 1 to {part.LAYOUT_VERSION}: restore it with the zeropp_jax that wrote it."
-        )
-    return version
-
-
-def _saved_layouts(meta: dict[str, Any], target: TrainState) -> list[part.LeafLayout]:
-    """Per parameter leaf, the layout it was saved with (its `model` split, the saved
-    mesh's data-parallel size and the layout version; a checkpoint without `model_split`
-    split nothing)."""
-    dp = int(meta["mesh"].get("node", 1)) * int(meta["mesh"].get("local", 1))
-    split = meta.get("model_split") or [[None, 1]] * len(target.layouts[1])
-    version = _layout_version(meta)
-    out = []
-    for lo, (dim, k) in zip(target.layouts[1], split, strict=True):
-        base = part.LeafLayout(lo.shape, lo.dtype, lo.sharded, 0)
-        out.append(part.with_model_split(base, dim, int(k), dp, version=version))
-    return out
-
-
-def _check_optimizer_layout(
-    meta: dict[str, Any], want: Any, target: TrainState, shapes: list[tuple[int, ...]]
-) -> None:
-    """Raises for a checkpoint of layout 1 whose optimizer state holds a leaf that is
-    neither shaped as the target's nor a moment of a parameter (so crop and pad cannot
-    carry it over): a transform that read the padded layout's shapes."""
-    if _layout_version(meta) >= 2:
-        return
-    flat = jax.tree_util.tree_flatten_with_path(want)[0]
-    opt = [
-        (jax.tree_util.keystr(p), tuple(x.shape), s)
-        for (p, x), s in zip(flat, shapes, strict=True)
-        if jax.tree_util.keystr(p).startswith("['opt_state']")
-    ]
-    for (key, have, saved), mirror in zip(opt, target.opt_mirror or (), strict=True):
-        if saved != have and mirror is None:
-            raise ValueError(
-                f"the checkpoint was written with stored layout 1, before the optimizer saw "
-                f"the model's shapes, and its optimizer state leaf {key} (shape {saved}) "
-                f"has no counterpart here (shape {have}); restore it with "
-                "restore_checkpoint(path, target, reset_optimizer=True) to keep step and "
-                "parameters and start the optimizer afresh, then save it again."
-            )
-
-
-def _leaf_layouts_by_path(
-    want: Any, target: TrainState, saved: list[part.LeafLayout]
-) -> list[tuple[part.LeafLayout, part.LeafLayout] | None]:
-    """Per leaf of `want` (the saved tree's target), `(saved layout, target layout)` of the
-    parameter it is (or mirrors, e.g. an Adam moment, matched by the end of its path),
-    when the two split it over `model` differently; else None."""
-    paths = [p for p, _, _ in _param_table(target)]
-    out: list[tuple[part.LeafLayout, part.LeafLayout] | None] = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(want)[0]:
-        key = jax.tree_util.keystr(path)
-        match = [i for i, p in enumerate(paths) if key.endswith(p)]
-        i = max(match, key=lambda i: len(paths[i]), default=None)
-        old, new = (None, None) if i is None else (saved[i], target.layouts[1][i])
-        differ = old is not None and (old.model_dim, old.model_size) != (
-            new.model_dim,
-            new.model_size,
-        )
-        out.append((old, new) if differ else None)
-    return out
-
-
-def _relayout(x: jax.Array, old: part.LeafLayout, new: part.LeafLayout) -> jax.Array:
-    """A stored leaf (or a moment shaped like it) in layout `old` -> layout `new`; a stacked
-    leaf saved flat per layer (layouts 1 and 2) is read as such."""
-    if _is_flat_stacked(tuple(x.shape), old):
-        return _unflatten(x, old, new)
-    return part.to_master(part.from_master(x, old, jnp.float32), new)
-
-
-def _is_flat_stacked(saved: tuple[int, ...], layout: part.LeafLayout) -> bool:
-    """Whether a saved leaf is a stacked leaf of `layout` (or a moment shaped like it)
-    stored flat per layer, `(layers, values)`, as layouts 1 and 2 stored it."""
-    return (
-        layout.stacked
-        and not layout.tensor_parallel
-        and len(saved) == 2
-        and saved[0] == layout.lead
-        and saved[1] >= layout.cols
-    )
-
-
-def _unflatten(x: jax.Array, saved: part.LeafLayout, new: part.LeafLayout) -> jax.Array:
-    """A stacked leaf saved flat per layer, `(layers, padded values)` (layouts 1 and 2:
-    each layer's values first, then its padding), -> layout `new`."""
-    return part.to_master(x[:, : saved.cols].reshape(saved.shape), new)
-
-
-def _stacked_by_path(want: Any, target: TrainState) -> list[part.LeafLayout | None]:
-    """Per leaf of `want`, the layout of the stacked parameter (not split over `model`) it
-    is or mirrors (an Adam moment, by the end of its path and its shape), else None."""
-    paths = [p for p, _, _ in _param_table(target)]
-    layouts = target.layouts[1]
-    out: list[part.LeafLayout | None] = []
-    for path, x in jax.tree_util.tree_flatten_with_path(want)[0]:
-        key = jax.tree_util.keystr(path)
-        match = [
-            i
-            for i, p in enumerate(paths)
-            if key.endswith(p)
-            and layouts[i].stacked
-            and not layouts[i].tensor_parallel
-            and tuple(x.shape) == layouts[i].stored_shape
-        ]
-        i = max(match, key=lambda i: len(paths[i]), default=None)
-        out.append(None if i is None else layouts[i])
-    return out
-
-
-def _padded_axis(saved: tuple[int, ...], target: tuple[int, ...]) -> int | None:
-    """The one axis in which a saved leaf differs from the target's (its padding for
-    another device count), or None when they differ otherwise."""
-    if len(saved) != len(target) or not saved:
-        return None
-    differ = [i for i, (a, b) in enumerate(zip(saved, target, strict=True)) if a != b]
-    return differ[0] if len(differ) == 1 else None
-
-
-def _resize(x: jax.Array, axis: int, size: int) -> jax.Array:
-    if x.shape[axis] >= size:
-        return jax.lax.slice_in_dim(x, 0, size, axis=axis)
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
-
-
 def restore_checkpoint(
     path: str | os.PathLike, target: TrainState, *, reset_optimizer: bool = False
 ) -> TrainState:
@@ -422,10 +283,8 @@ def restore_checkpoint(
     want = _saved_tree(target, residuals=False)
     want_leaves, want_def = jax.tree_util.tree_flatten(want)
     shapes = [tuple(s) for s in meta["stored_shapes"]]
-    is_opt = [
-        jax.tree_util.keystr(p).startswith("['opt_state']")
-        for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]
-    ]
+    keys = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
+    is_opt = [k.startswith("['opt_state']") for k in keys]
     if reset_optimizer:
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(want)):
             raise ValueError(
@@ -434,15 +293,41 @@ def restore_checkpoint(
                 "with TrainState.create."
             )
     else:
-        _check_optimizer_layout(meta, want, target, shapes)
+        opt = [
+            (k, tuple(x.shape), s)
+            for k, x, s, o in zip(keys, want_leaves, shapes, is_opt, strict=True)
+            if o
+        ]
+        L.check_optimizer_layout(L.layout_version(meta), opt, target.opt_mirror or ())
     mesh = target.mesh
     replicated = NamedSharding(mesh, part.REPLICATED)
     saved_res = meta.get("error_feedback")
     n_dp = data_parallel_size(mesh)
-    relayouts = _leaf_layouts_by_path(want, target, _saved_layouts(meta, target))
-    stacked = _stacked_by_path(want, target)
+    layouts = target.layouts[1]
+    saved = L.saved_layouts(meta, layouts)
+    owner = L.param_of(want, [p for p, _, _ in _param_table(target)])
+    # Per leaf: (saved, target) layout of its parameter where the two split it over `model`
+    # differently; the layout of the stacked parameter (not split over `model`) it is or
+    # mirrors, shaped as the target stores it.
+    relayouts = [
+        None
+        if i is None
+        or (saved[i].model_dim, saved[i].model_size)
+        == (layouts[i].model_dim, layouts[i].model_size)
+        else (saved[i], layouts[i])
+        for i in owner
+    ]
+    stacked = [
+        layouts[i]
+        if i is not None
+        and layouts[i].stacked
+        and not layouts[i].tensor_parallel
+        and tuple(x.shape) == layouts[i].stored_shape
+        else None
+        for i, x in zip(owner, want_leaves, strict=True)
+    ]
     flat = [
-        lo is not None and r is None and _is_flat_stacked(shape, lo)
+        lo is not None and r is None and L.is_flat_stacked(shape, lo)
         for shape, lo, r in zip(shapes, stacked, relayouts, strict=True)
     ]
 
@@ -455,7 +340,7 @@ def restore_checkpoint(
             # over the data-parallel axes as saved where they divide it, else whole, then
             # laid out again.
             old = relayout[0]
-            if shape != old.stored_shape and not _is_flat_stacked(shape, old):
+            if shape != old.stored_shape and not L.is_flat_stacked(shape, old):
                 raise ValueError(
                     f"checkpoint leaf of shape {shape} does not have the shape of its saved "
                     f"layout {old.stored_shape}; the checkpoint's metadata is inconsistent."
@@ -474,7 +359,7 @@ def restore_checkpoint(
             # Padded for another device count (axis 0, or the last axis of a stacked
             # leaf): load sharded if that axis divides evenly over this mesh, else
             # replicated (one transient full copy of that leaf).
-            axis = _padded_axis(shape, tuple(tgt.shape))
+            axis = L.padded_axis(shape, tuple(tgt.shape))
             if axis is None:
                 raise ValueError(
                     f"checkpoint leaf of shape {shape} cannot be restored into a target leaf "
@@ -501,18 +386,18 @@ def restore_checkpoint(
     def fit(x, tgt, relayout, opt, layout):
         if opt and reset_optimizer:
             return tgt
-        if layout is not None and _is_flat_stacked(tuple(x.shape), layout) and relayout is None:
-            return jax.jit(_unflatten, static_argnums=(1, 2), out_shardings=tgt.sharding)(
+        if layout is not None and L.is_flat_stacked(tuple(x.shape), layout) and relayout is None:
+            return jax.jit(L.unflatten, static_argnums=(1, 2), out_shardings=tgt.sharding)(
                 x, layout, layout
             )
         if relayout is not None:
-            return jax.jit(_relayout, static_argnums=(1, 2), out_shardings=tgt.sharding)(
+            return jax.jit(L.relayout, static_argnums=(1, 2), out_shardings=tgt.sharding)(
                 x, *relayout
             )
         if x.shape == tgt.shape:
             return x
-        axis = _padded_axis(tuple(x.shape), tuple(tgt.shape))
-        return jax.jit(_resize, static_argnums=(1, 2), out_shardings=tgt.sharding)(
+        axis = L.padded_axis(tuple(x.shape), tuple(tgt.shape))
+        return jax.jit(L.resize, static_argnums=(1, 2), out_shardings=tgt.sharding)(
             x, axis, tgt.shape[axis]
         )
 
@@ -611,12 +496,14 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
         return jax.tree_util.tree_map(lambda a, b: jax.device_put(a, b.sharding), loaded, fresh)
     old_nn, old_ll = meta["mesh"]["node"], meta["mesh"]["local"]
     old_n = old_nn * old_ll
-    version = _layout_version(meta)
+    version = L.layout_version(meta)
     old_layouts = tuple(part.with_devices(lo, old_n, version=version) for lo in target.layouts[1])
     mass = R.missing_mass(loaded, old_layouts, old_nn, old_ll, flat_stacked=version < 3)
     if version < 3:
         mass = tuple(
-            m if m is None or not _is_flat_stacked(tuple(m.shape), old) else _unflatten(m, old, new)
+            m
+            if m is None or not L.is_flat_stacked(tuple(m.shape), old)
+            else L.unflatten(m, old, new)
             for m, old, new in zip(mass, old_layouts, target.layouts[1], strict=True)
         )
     return R.respread(mass, target.layouts[1], target.config, target.mesh)
