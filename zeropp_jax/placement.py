@@ -54,32 +54,11 @@ import numpy as np
 from jax import lax
 from jax._src import ad_checkpoint, core, source_info_util
 from jax._src.lax.control_flow import cond_p, scan_p, while_p
-from jax._src.pjit import jit_p
 
 from zeropp_jax import dataflow, indexed_scan, layer_view, layered_scan, relayout, tensor_parallel
 from zeropp_jax import partition as part
+from zeropp_jax.jaxpr_reads import CHAIN_PRIMITIVES, INLINED_CALLS, count_uses
 from zeropp_jax.weight_gather import SECONDARY_NAME
-
-CHAIN_PRIMITIVES = frozenset(
-    {
-        "convert_element_type",
-        "reshape",
-        "transpose",
-        "squeeze",
-        "expand_dims",
-        "broadcast_in_dim",
-        "pcast",
-        "copy",
-        "copy_p",
-        "slice",
-        "rev",
-    }
-)
-"""Equations of one lazy weight (and literals) that only move or cast it: they stay lazy."""
-
-INLINED_CALLS = {jit_p: "jaxpr", core.closed_call_p: "call_jaxpr"}
-"""Call-like primitives whose inner program the interpreter runs in place, and the
-parameter that holds it. `count_uses` and `evaluate` both read this table."""
 
 WHOLE_SCOPE = "zeropp_whole_gather"
 """Named scope of every gather of a whole leaf that the engine could not place per use."""
@@ -148,39 +127,6 @@ def _warn(ctx: Context, leaf: int, where: str) -> None:
         f"full copy is held there; the ledger shows the gather under {WHOLE_SCOPE!r}).",
         stacklevel=2,
     )
-
-
-# ----------------------------------------------------------------------------- use counts
-
-
-def count_uses(jaxpr: core.Jaxpr, lazy_leaves: dict[core.Var, int]) -> dict[int, int]:
-    """Per leaf, how many equations read it (layout-only equations and inlined calls
-    followed through)."""
-    counts: dict[int, int] = {}
-
-    def walk(jx: core.Jaxpr, where: dict[core.Var, int]) -> None:
-        for eqn in jx.eqns:
-            read = [where[v] for v in eqn.invars if isinstance(v, core.Var) and v in where]
-            if not read:
-                continue
-            name = eqn.primitive.name
-            if name in CHAIN_PRIMITIVES and len(read) == 1 and len(eqn.outvars) == 1:
-                where[eqn.outvars[0]] = read[0]
-                continue
-            if eqn.primitive in INLINED_CALLS:
-                inner = eqn.params[INLINED_CALLS[eqn.primitive]]
-                sub = {
-                    iv: where[v]
-                    for iv, v in zip(inner.jaxpr.invars, eqn.invars, strict=True)
-                    if isinstance(v, core.Var) and v in where
-                }
-                walk(inner.jaxpr, sub)
-                continue
-            for leaf in set(read):
-                counts[leaf] = counts.get(leaf, 0) + 1
-
-    walk(jaxpr, dict(lazy_leaves))
-    return counts
 
 
 # ----------------------------------------------------------------------------- evaluation
