@@ -49,6 +49,9 @@ class Schedule:
     seed: int = 0
     max_corpus_mb: int = 16
     ledger: bool = True  # the communication ledger of one step in summary.json
+    # Steps between checkpoints; 0: none. With checkpoints an interrupted run (a timeout, a
+    # stopped session) is resumed by the next call, bit for bit, instead of trained again.
+    save_every: int = 0
     # The studies' recorded runs trained the unrolled blocks (the trainer's default until
     # the scan became it); kept so that a rerun trains the same model.
     scan: bool = False
@@ -104,7 +107,7 @@ class Run:
         tail = [
             *schedule.flags(),
             *self.trainer_flags,
-            *("--out", str(out), "--save-every", "0", "--no-progress"),
+            *("--out", str(out), "--save-every", str(schedule.save_every), "--no-progress"),
         ]
         if self.injection is None:
             return ["-m", "zeropp_jax.train", *tail]
@@ -164,12 +167,26 @@ def trainer_step(injection: Injection | None) -> Iterator[None]:
 
 def matches(out: pathlib.Path, command: Sequence[str]) -> bool:
     """Whether `out` holds a finished run of exactly `command` by the code running now."""
+    return (out / "summary.json").exists() and _same_command_and_code(out, command)
+
+
+def resumable(out: pathlib.Path, command: Sequence[str]) -> bool:
+    """Whether `out` holds an unfinished run of exactly `command`, by the code running now,
+    with a checkpoint to continue from (`--resume`)."""
+    checkpoints = out / "checkpoints"
+    return (
+        checkpoints.is_dir()
+        and any(checkpoints.glob("step_*"))
+        and not (out / "summary.json").exists()
+        and _same_command_and_code(out, command)
+    )
+
+
+def _same_command_and_code(out: pathlib.Path, command: Sequence[str]) -> bool:
     try:
         recorded = json.loads((out / "run.json").read_text()).get("provenance", {})
-        return (
-            json.loads((out / "command.json").read_text()) == list(command)
-            and (out / "summary.json").exists()
-            and same_code(recorded, CODE)
+        return json.loads((out / "command.json").read_text()) == list(command) and same_code(
+            recorded, CODE
         )
     except (OSError, ValueError):
         return False
@@ -186,27 +203,36 @@ def train(
     log,
 ) -> str:
     """Trains `run` into `out` unless `out` already holds it. Returns "done", "reused",
-    "timeout" or "failed (rc N)"; checkpoints are deleted afterwards. `machine` (date and
+    "timeout" or "failed (rc N)". An unfinished run of the same command and code with a
+    checkpoint (`Schedule.save_every`) is resumed from it; a timed-out run keeps its
+    checkpoints for that, a finished or failed one loses them. `machine` (date and
     platform) goes to `out/machine.txt`."""
     command = run.command(schedule, out)
     if matches(out, command):
         log(f"{run.name}: reusing the finished run in {out}")
         return "reused"
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    (out / "command.json").write_text(json.dumps(command))
-    (out / "machine.txt").write_text(machine + "\n")
-    log(f"{run.name}: python {' '.join(command)}")
     start = time.time()
-    if in_process:
-        status = _train_in_process(run, command)
+    if not in_process and resumable(out, command):
+        log(f"{run.name}: resuming the unfinished run in {out}")
+        with open(out / "machine.txt", "a") as f:
+            f.write(machine + "\n")
+        status = _train_subprocess([*command, "--resume"], out / "train.log", timeout, append=True)
     else:
-        status = _train_subprocess(command, out / "train.log", timeout)
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        (out / "command.json").write_text(json.dumps(command))
+        (out / "machine.txt").write_text(machine + "\n")
+        log(f"{run.name}: python {' '.join(command)}")
+        if in_process:
+            status = _train_in_process(run, command)
+        else:
+            status = _train_subprocess(command, out / "train.log", timeout)
     if status == "done" and not (out / "summary.json").exists():
         status = "failed (no summary)"
-    if status != "done":
+    if status != "timeout" or in_process:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    if status not in ("done", "timeout"):
         (out / "command.json").unlink(missing_ok=True)
     log(f"{run.name}: {status} after {time.time() - start:.0f} s")
     return status
@@ -221,12 +247,14 @@ def _train_in_process(run: Run, command: Sequence[str]) -> str:
     return "done"
 
 
-def _train_subprocess(command: Sequence[str], log_path: pathlib.Path, timeout: float) -> str:
+def _train_subprocess(
+    command: Sequence[str], log_path: pathlib.Path, timeout: float, *, append: bool = False
+) -> str:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(_common.ROOT), env.get("PYTHONPATH", "")) if p
     )
-    with open(log_path, "w") as f:
+    with open(log_path, "a" if append else "w") as f:
         proc = subprocess.Popen(
             [sys.executable, *command],
             cwd=_common.ROOT,

@@ -62,3 +62,36 @@ def test_read_run_gives_the_curves_and_summary(tmp_path):
     (tmp_path / "machine.txt").write_text("the machine\n")
     got = runs.read_run(tmp_path)
     assert got["summary"] == {"final_val_loss": 2.5} and got["machine"] == "the machine"
+
+
+def test_a_timed_out_run_is_resumed_from_its_checkpoint_not_trained_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(runs, "CODE", dict(runs.CODE, commit="1" * 40, dirty=False, changed=[]))
+    calls = []
+
+    def fake_subprocess(command, log_path, timeout, *, append=False):
+        calls.append((list(command), append))
+        out = log_path.parent
+        (out / "run.json").write_text(json.dumps({"provenance": runs.CODE}))
+        if len(calls) == 1:  # cut short after a checkpoint
+            (out / "checkpoints" / "step_2").mkdir(parents=True)
+            return "timeout"
+        (out / "summary.json").write_text("{}")
+        return "done"
+
+    monkeypatch.setattr(runs, "_train_subprocess", fake_subprocess)
+    schedule = runs.Schedule(d_model=32, n_layers=1, steps=4, ledger=False, save_every=2)
+    run = runs.Run(name="a", label="A", path="a", trainer_flags=())
+    out = tmp_path / "a"
+    command = run.command(schedule, out)
+    assert command[command.index("--save-every") + 1] == "2"
+    train = lambda: runs.train(  # noqa: E731
+        run, schedule, out, timeout=60, in_process=False, machine="m", log=lambda _: None
+    )
+    assert train() == "timeout"
+    assert runs.resumable(out, command) and not runs.matches(out, command)
+    assert not runs.resumable(out, [*command, "--lr", "1"])
+    assert train() == "done"
+    assert calls == [(command, False), ([*command, "--resume"], True)]
+    assert not (out / "checkpoints").exists() and runs.matches(out, command)
+    assert (out / "machine.txt").read_text() == "m\nm\n"  # one line per part
+    assert train() == "reused" and len(calls) == 2
