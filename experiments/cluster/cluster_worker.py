@@ -139,6 +139,10 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh, model_para
         "zeropp_delta4": zpp.ZeroPPConfig(weight_delta_bits=4),
         "beyond": zpp.ZeroPPConfig.beyond(),
         "beyond_d2": zpp.ZeroPPConfig.beyond(weight_delta_bits=2),
+        "beyond_d2_node_rot": zpp.ZeroPPConfig.beyond(
+            weight_delta_bits=2, grad_rotation=False, grad_node_rotation=True
+        ),
+        "zeropp_delta2": zpp.ZeroPPConfig(weight_delta_bits=2),
     }[config_name]  # "xla_fsdp" returned above
     state = zpp.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh, config=config

@@ -67,6 +67,8 @@ CONFIG_LABELS = {
     "zeropp_delta4": "ZeRO++ with int4 weight deltas",
     "beyond": "ZeroPPConfig.beyond()",
     "beyond_d2": "ZeroPPConfig.beyond(weight_delta_bits=2)",
+    "beyond_d2_node_rot": "beyond(weight_delta_bits=2), only the node hop rotated",
+    "zeropp_delta2": "ZeRO++ with int2 weight deltas",
 }
 
 
