@@ -3,7 +3,7 @@
     python experiments/beyond_bytes.py --quick --out /tmp/bb        # smoke run
     python experiments/beyond_bytes.py --steps 300 --seeds 0        # the 0.45M sweep
     python experiments/beyond_bytes.py --d-model 256 --n-layers 6 --n-heads 8 \\
-        --steps 2000 --seeds 0,1 --variants zero3,beyond_d2,zeropp,zeropp_delta4 \\
+        --steps 2000 --seeds 0,1 --variants zero3,zeropp_delta2,beyond_d2,zeropp,zeropp_delta4 \\
         --save-every 100 --budget-min 6000 --out experiments/results/beyond_4m8
                                                                    # the 4.8M study (hours)
 
@@ -86,7 +86,7 @@ QUICK_VARIANTS = ("zero3", "beyond")
 COLUMNS = ("variant", "seed", "commit", "per_link_M", "val_loss", "zero3_val_loss", "gap_pct")
 FULL_STUDY = (
     "python experiments/beyond_bytes.py --d-model 256 --n-layers 6 --n-heads 8 --steps 2000 "
-    "--seeds 0,1 --variants zero3,beyond_d2,zeropp,zeropp_delta4 --save-every 100 "
+    "--seeds 0,1 --variants zero3,zeropp_delta2,beyond_d2,zeropp,zeropp_delta4 --save-every 100 "
     "--budget-min 6000 --out experiments/results/beyond_4m8"
 )
 """The issue's study: the 4.8M-parameter GPT, 2000 steps, two seeds (about 50 minutes per
