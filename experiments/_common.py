@@ -169,6 +169,23 @@ def study_dirs(
     return out, root
 
 
+def random_token_batches(
+    steps: int, batch: int, seq: int, vocab: int, seed: int = 0
+) -> list[dict[str, Any]]:
+    """`steps` batches of uniform random token ids for a language-model probe: `tokens` and
+    next-token `targets` (`(batch, seq)` int32, one draw of `seq + 1` ids per row) and
+    `positions` (`0 ... seq - 1` per row)."""
+    import numpy as np
+
+    rs = np.random.RandomState(seed)
+    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
+    out = []
+    for _ in range(steps):
+        t = rs.randint(0, vocab, (batch, seq + 1)).astype(np.int32)
+        out.append({"tokens": t[:, :-1], "positions": positions.copy(), "targets": t[:, 1:]})
+    return out
+
+
 def file_logger(path: pathlib.Path) -> Callable[[str], None]:
     """A `log(msg)` that prints `[HH:MM:SS] msg` and appends that line to `path`."""
 

@@ -76,14 +76,8 @@ def train_step(state, batch):  # noqa: ANN001, ANN201
 
 
 def batches() -> list[dict[str, np.ndarray]]:
-    rs = np.random.RandomState(0)
-    out = []
-    for _ in range(STEPS):
-        t = rs.randint(0, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
-        positions = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ)).copy()
-        mask = np.ones((BATCH, SEQ), np.int32)
-        out.append({"tokens": t[:, :-1], "mask": mask, "positions": positions, "targets": t[:, 1:]})
-    return out
+    mask = np.ones((BATCH, SEQ), np.int32)
+    return [dict(b, mask=mask) for b in _common.random_token_batches(STEPS, BATCH, SEQ, VOCAB)]
 
 
 def run(module, params, tx_name: str, quantized: bool = False) -> dict:  # noqa: ANN001

@@ -251,13 +251,7 @@ def train_step(state, batch):  # noqa: ANN001, ANN201
 
 
 def batches() -> list[dict[str, np.ndarray]]:
-    rs = np.random.RandomState(0)
-    out = []
-    for _ in range(STEPS):
-        t = rs.randint(0, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
-        positions = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ)).copy()
-        out.append({"tokens": t[:, :-1], "positions": positions, "targets": t[:, 1:]})
-    return out
+    return _common.random_token_batches(STEPS, BATCH, SEQ, VOCAB)
 
 
 def run(model, params, tx_name: str) -> dict:  # noqa: ANN001
