@@ -89,7 +89,7 @@ FULL_STUDY = (
     "--seeds 0,1 --variants zero3,zeropp_delta2,beyond_d2,zeropp,zeropp_delta4 --save-every 100 "
     "--budget-min 6000 --out experiments/results/beyond_4m8"
 )
-"""The issue's study: the 4.8M-parameter GPT, 2000 steps, two seeds (about 50 minutes per
+"""The issue's study: the 4.8M-parameter GPT, 2000 steps, two seeds (about 45 minutes per
 run on 2 CPU cores; a call cut short resumes its unfinished run from a checkpoint)."""
 GOAL_LINK_M = 0.20
 GOAL_GAP_PCT = 1.0
