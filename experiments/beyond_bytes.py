@@ -41,48 +41,48 @@ _common.request_cpu_devices(8)
 import _study_runs  # noqa: E402
 import convergence  # noqa: E402
 
+
+def _hops(delta: str = "4", node: str = "4", *more: str) -> tuple[str, ...]:
+    """Weight deltas of `delta` bits with int8 / int`node` gradient hops, both rotated, plus
+    `more` flags: what `--preset beyond` meant up to commit 70ded59, spelled out so each
+    variant's name means the same runs at every commit."""
+    flags = ("--weight-delta-bits", delta, "--grad-bits", "8", "--grad-node-bits", node)
+    return (*flags, "--grad-rotation", *more)
+
+
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero3": ("ZeRO-3 (reference)", ("--zero3",)),
     "zeropp": ("ZeRO++ (int8 weights, hpZ, int4 grads)", ()),
     "zeropp_delta4": ("ZeRO++ with int4 weight deltas", ("--weight-delta-bits", "4")),
     "beyond_norot": (
         "int4 deltas, int8 / int4 grad hops, no rotation",
-        ("--preset", "beyond", "--no-grad-rotation"),
+        _hops("4", "4", "--no-grad-rotation"),
     ),
-    "beyond": (
-        "ZeroPPConfig.beyond(): int4 deltas, int8 / int4 rotated grad hops",
-        ("--preset", "beyond"),
+    "beyond": ("int4 deltas, int8 / int4 rotated grad hops", _hops()),
+    "zeropp_delta2": (
+        "ZeRO++ with int2 weight deltas (ZeroPPConfig.beyond())",
+        ("--weight-delta-bits", "2"),
     ),
-    "zeropp_delta2": ("ZeRO++ with int2 weight deltas", ("--weight-delta-bits", "2")),
-    "beyond_d2": (
-        "int2 deltas, int8 / int4 rotated grad hops",
-        ("--preset", "beyond", "--weight-delta-bits", "2"),
-    ),
+    "beyond_d2": ("int2 deltas, int8 / int4 rotated grad hops", _hops("2")),
     "beyond_d2_ef": (
         "int2 deltas, int8 / int4 rotated grad hops, error feedback on the node hop",
-        ("--preset", "beyond", "--weight-delta-bits", "2", "--error-feedback", "node"),
+        _hops("2", "4", "--error-feedback", "node"),
     ),
     "beyond_ef": (
-        "beyond + error feedback on the node hop",
-        ("--preset", "beyond", "--error-feedback", "node"),
+        "int4 deltas, int8 / int4 rotated grad hops, error feedback on the node hop",
+        _hops("4", "4", "--error-feedback", "node"),
     ),
-    "beyond_n2": (
-        "int4 deltas, int8 / int2 rotated grad hops",
-        ("--preset", "beyond", "--grad-node-bits", "2"),
-    ),
+    "beyond_n2": ("int4 deltas, int8 / int2 rotated grad hops", _hops("4", "2")),
     "beyond_n2_ef": (
         "int4 deltas, int8 / int2 rotated grad hops, error feedback on the node hop",
-        ("--preset", "beyond", "--grad-node-bits", "2", "--error-feedback", "node"),
+        _hops("4", "2", "--error-feedback", "node"),
     ),
     "beyond_n2_ef_norot": (
         "int4 deltas, int8 / int2 grad hops, error feedback on the node hop, no rotation",
-        (
-            *("--preset", "beyond", "--grad-node-bits", "2", "--error-feedback", "node"),
-            "--no-grad-rotation",
-        ),
+        _hops("4", "2", "--error-feedback", "node", "--no-grad-rotation"),
     ),
 }
-QUICK_VARIANTS = ("zero3", "beyond")
+QUICK_VARIANTS = ("zero3", "zeropp_delta2")
 COLUMNS = ("variant", "seed", "commit", "per_link_M", "val_loss", "zero3_val_loss", "gap_pct")
 FULL_STUDY = (
     "python experiments/beyond_bytes.py --d-model 256 --n-layers 6 --n-heads 8 --steps 2000 "

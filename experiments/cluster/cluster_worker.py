@@ -18,6 +18,7 @@ Writes `<out>/process_<i>.json`: one record per (K, config, rate).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -131,18 +132,21 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh, model_para
     if config_name == "xla_fsdp":
         state = xla_fsdp_state(apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh)
         return state, xla_fsdp_step(train_step, state, mesh), data, count
+    # int8 / int4 gradient hops with the rotation: what ZeroPPConfig.beyond() meant up to
+    # commit 70ded59, spelled out so each config's name means the same at every commit.
+    rotated = functools.partial(zpp.ZeroPPConfig, grad_bits=8, grad_node_bits=4, grad_rotation=True)
     config = {
         "zero3": zpp.ZeroPPConfig.zero3(),
         "zero3_noprefetch": zpp.ZeroPPConfig.zero3(prefetch=False),
         "zeropp": zpp.ZeroPPConfig(),
         "zeropp_noprefetch": zpp.ZeroPPConfig(prefetch=False),
         "zeropp_delta4": zpp.ZeroPPConfig(weight_delta_bits=4),
-        "beyond": zpp.ZeroPPConfig.beyond(),
-        "beyond_d2": zpp.ZeroPPConfig.beyond(weight_delta_bits=2),
-        "beyond_d2_node_rot": zpp.ZeroPPConfig.beyond(
+        "beyond": rotated(weight_delta_bits=4),
+        "beyond_d2": rotated(weight_delta_bits=2),
+        "beyond_d2_node_rot": rotated(
             weight_delta_bits=2, grad_rotation=False, grad_node_rotation=True
         ),
-        "zeropp_delta2": zpp.ZeroPPConfig(weight_delta_bits=2),
+        "zeropp_delta2": zpp.ZeroPPConfig.beyond(),
     }[config_name]  # "xla_fsdp" returned above
     state = zpp.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh, config=config

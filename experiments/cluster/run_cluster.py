@@ -65,10 +65,10 @@ CONFIG_LABELS = {
     "zeropp": "ZeRO++",
     "zeropp_noprefetch": "ZeRO++, no prefetch",
     "zeropp_delta4": "ZeRO++ with int4 weight deltas",
-    "beyond": "ZeroPPConfig.beyond()",
-    "beyond_d2": "ZeroPPConfig.beyond(weight_delta_bits=2)",
-    "beyond_d2_node_rot": "beyond(weight_delta_bits=2), only the node hop rotated",
-    "zeropp_delta2": "ZeRO++ with int2 weight deltas",
+    "beyond": "int4 weight deltas, int8 / int4 rotated gradient hops",
+    "beyond_d2": "int2 weight deltas, int8 / int4 rotated gradient hops",
+    "beyond_d2_node_rot": "int2 weight deltas, int8 / int4 gradient hops, node hop rotated",
+    "zeropp_delta2": "ZeroPPConfig.beyond(): ZeRO++ with int2 weight deltas",
 }
 
 

@@ -49,8 +49,8 @@ examples:
   zeropp-train                                   the embedded default (minutes on a CPU)
   zeropp-train --engine zero3 --out runs/zero3   the same run with plain ZeRO-3
   zeropp-train --engine xla-fsdp                 XLA's own FSDP (jax.jit, sharded state)
-  zeropp-train --preset beyond                   int4 weight deltas, int8 / int4 rotated
-                                                 gradient hops (ZeroPPConfig.beyond())
+  zeropp-train --preset beyond                   ZeRO++ with int2 weight deltas across
+                                                 nodes (ZeroPPConfig.beyond())
   zeropp-train --data my_texts/ --out runs/mine  train on a folder of your own text files
   zeropp-sample --out runs/mine --prompt "Once"  sample from that run's last checkpoint
   zeropp-tokenize --data my_texts/ --vocab-size 4096 --out tok
@@ -215,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PRESETS,
         default="zeropp",
         help="the defaults of the flags below: zeropp (the paper's ZeRO++) or beyond "
-        "(ZeroPPConfig.beyond(): int4 weight deltas across nodes, int8 / int4 gradient hops "
-        "with the Hadamard rotation); flags given explicitly still override it (zeropp)",
+        "(ZeroPPConfig.beyond(): ZeRO++ with int2 weight deltas across nodes, half its bytes "
+        "on the node link); flags given explicitly still override it (zeropp)",
     )
     g.add_argument(
         "--weight-bits",
