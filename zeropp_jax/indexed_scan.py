@@ -18,6 +18,8 @@ from jax import lax
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
+from zeropp_jax.jaxpr_reads import scan_counts
+
 
 def over_layers(
     eqn: core.JaxprEqn, invals: list[Any], lazy_consts: list[int]
@@ -38,7 +40,7 @@ def over_layers(
       step * k` along its axis 0.
     """
     p = eqn.params
-    nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+    nc, nk, length = scan_counts(eqn)
     body = p["jaxpr"]
     jx = body.jaxpr
     weights = {jx.invars[k]: k for k in lazy_consts}

@@ -5,6 +5,9 @@ equations is gathered once for all of them, see `placement`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 from jax._src import core
 from jax._src.pjit import jit_p
 
@@ -58,3 +61,24 @@ def count_uses(jaxpr: core.Jaxpr, lazy_leaves: dict[core.Var, int]) -> dict[int,
 
     walk(jaxpr, dict(lazy_leaves))
     return counts
+
+
+def scan_counts(eqn: Any) -> tuple[int, int, int]:
+    """`(num_consts, num_carry, length)` of a `scan` equation, read from jax 0.10's scan
+    parameters, which the placement of a scanned model's layers rewrites.
+
+    Raises:
+      RuntimeError: when the installed jax describes a scan otherwise (jax 0.11 replaced
+        `num_consts`, `num_carry` and `linear` by `ft_in` / `ft_out`), naming the version
+        and what runs on it.
+    """
+    p = eqn.params
+    if "num_consts" in p and "num_carry" in p:
+        return p["num_consts"], p["num_carry"], p["length"]
+    raise RuntimeError(
+        f"zeropp_jax places a scanned model's layers by rewriting jax 0.10's scan equations "
+        f"(parameters num_consts, num_carry, linear), but jax {jax.__version__} describes "
+        f"this scan with the parameters {sorted(p)}. Install jax 0.10.x "
+        '(`pip install "jax>=0.10.2,<0.11" "jaxlib>=0.10.2,<0.11"`), or unroll the layers '
+        "(e.g. the trainer's --no-scan-layers): models without a scan run on jax 0.11."
+    )

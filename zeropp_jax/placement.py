@@ -57,7 +57,7 @@ from jax._src.lax.control_flow import cond_p, scan_p, while_p
 
 from zeropp_jax import dataflow, indexed_scan, layer_view, layered_scan, relayout, tensor_parallel
 from zeropp_jax import partition as part
-from zeropp_jax.jaxpr_reads import CHAIN_PRIMITIVES, INLINED_CALLS, count_uses
+from zeropp_jax.jaxpr_reads import CHAIN_PRIMITIVES, INLINED_CALLS, count_uses, scan_counts
 from zeropp_jax.weight_gather import SECONDARY_NAME
 
 WHOLE_SCOPE = "zeropp_whole_gather"
@@ -393,7 +393,7 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
     """
     g = ctx.gathers
     p = eqn.params
-    nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+    nc, nk, length = scan_counts(eqn)
     consts, init, xs = invals[:nc], invals[nc : nc + nk], list(invals[nc + nk :])
     if any(isinstance(x, Lazy) for x in init):
         return None
