@@ -7,13 +7,19 @@ Checks: every kernel (compiled, Triton backend) on fresh random data of every ki
 heavy-tailed, zero, -0.0, NaN, +-Inf, exact ties, near float32 max, subnormal), with a block
 count that is not a multiple of the tile and outputs that start poisoned (NaN, -128 or 255
 buffers aliased into the kernel), compared bit for bit with `zeropp_jax.quant` compiled by
-XLA on the same device. A mismatch names the kinds of block it hit.
+XLA on the same device. A mismatch names the kinds of block it hit and, for round-to-nearest
+quantization, which side a host float32 computation of the contract (`x * fl(1 / scale)`,
+ties to even) agrees with. On an H200 with jax 0.11.2 the kernels agreed with the host on
+every differing value and XLA did not: XLA:GPU's float32 `1 / s` is not correctly rounded
+(`experiments/results/gpu_h200/`, RESULTS.md "GPU kernels").
 
 Timing: median of several runs after warm-up (`block_until_ready`), as bytes read plus bytes
 written per second, next to a device-to-device copy (`x + 1` on a float32 array of the same
-size, 2x its bytes). Sizes are the float32 side of each kernel (its input for quantize, its
-output for the others). Designed to finish in under 3 minutes on an H200, compile included;
-`--budget-s` stops timing early rather than overrun. Exit status 1 if any check failed.
+size, 2x its bytes), and the gradient hops' Hadamard rotation (`zeropp_jax.rotation`, XLA
+operations, float32 in and out). Sizes are the float32 side of each kernel (its input for
+quantize, its output for the others). Designed to finish in under 3 minutes on an H200,
+compile included; `--budget-s` stops timing early rather than overrun. Exit status 1 if any
+check failed.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-from zeropp_jax import quant  # noqa: E402
+from zeropp_jax import quant, rotation  # noqa: E402
 
 MIB = 1 << 20
 KINDS = ["x1e3", "x1e-3", "heavy", "heavy", "zero", "-0.0", "nan", "+-inf", "ties", "x1e37"]
@@ -92,6 +98,40 @@ def compare(got, want, kinds, bits: int = 8) -> str | None:
     return f"{int(bad.sum())} elements in {len(rows)} blocks ({', '.join(hit)}), {size}"
 
 
+def host_round(x, scales, bits: int) -> np.ndarray:
+    """The round-to-nearest codes of float32 blocks `x` `(blocks, n)` with the given
+    scales, computed on the host in numpy float32 as the contract spells it:
+    `clip(round_half_even(x * fl(1 / scale)), -qmax, qmax)` (numpy's float32 division and
+    product are correctly rounded). The arbiter when kernel and XLA reference differ."""
+    x, s = np.asarray(x, np.float32), np.asarray(scales, np.float32)
+    safe = np.where(s > 0, s, np.float32(1))
+    with np.errstate(all="ignore"):
+        y = x * (np.float32(1) / safe)[:, None]
+        m = np.float32(quant.qmax(bits))
+        q = np.round(np.clip(y, -m, m))
+    return np.where(np.isnan(y), 0, q).astype(np.int32)
+
+
+def arbitrate(x, got, want, bits: int) -> str:
+    """Which side agrees with `host_round` where the packed values of kernel (`got`) and
+    reference (`want`) differ: `got = (values, scales)`, `want` the same."""
+    q_got = np.asarray(quant.unpack(got[0], bits), np.int32).reshape(np.shape(x))
+    q_want = np.asarray(quant.unpack(want[0], bits), np.int32).reshape(np.shape(x))
+    diff = q_got != q_want
+    if not diff.any() or not np.array_equal(
+        np.asarray(got[1]), np.asarray(want[1]), equal_nan=True
+    ):
+        return ""
+    host = host_round(x, want[1], bits)
+    xs = np.asarray(x, np.float32)[diff]
+    y = xs * (np.float32(1) / np.asarray(want[1], np.float32)[np.nonzero(diff)[0]])
+    return (
+        f" [host float32 agrees with the kernel on {int((q_got == host)[diff].sum())} and "
+        f"with XLA on {int((q_want == host)[diff].sum())} of {int(diff.sum())}; "
+        f"x / scale there: {', '.join(f'{v:.7f}' for v in y[:4])}]"
+    )
+
+
 def _stack(seed, groups, num_blocks, block_size, bits, kinds):
     ref = jax.jit(functools.partial(quant.quantize_blocks, bits=bits))
     sets = [ref(make_blocks(seed + g, num_blocks, block_size, bits, kinds)) for g in range(groups)]
@@ -103,7 +143,8 @@ def _quantize_case(bits, n, seed, elements, opts, kinds):
     key = None if seed is None else jax.random.key(seed)
     kern = jax.jit(functools.partial(pk.quantize_blocks, bits=bits, **opts))
     ref = jax.jit(functools.partial(quant.quantize_blocks, bits=bits))
-    return kern(x, key=key), ref(x, key=key), bits
+    got, want = kern(x, key=key), ref(x, key=key)
+    return got, want, bits, (x if key is None else None)
 
 
 def _dequantize_case(bits, n, dtype, elements, opts, kinds):
@@ -111,14 +152,14 @@ def _dequantize_case(bits, n, dtype, elements, opts, kinds):
     v, s = quantize(make_blocks(2, elements // n + 3, n, bits, kinds))
     kern = jax.jit(functools.partial(pk.dequantize_blocks, bits=bits, dtype=dtype, **opts))
     ref = jax.jit(functools.partial(quant.dequantize_blocks, bits=bits, dtype=dtype))
-    return kern(v, s), ref(v, s), bits
+    return kern(v, s), ref(v, s), bits, None
 
 
 def _sum_case(bits, n, groups, elements, opts, kinds):
     v, s = _stack(3, groups, elements // n + 3, n, bits, kinds)
     kern = jax.jit(functools.partial(pk.dequantize_sum_blocks, bits=bits, **opts))
     ref = jax.jit(functools.partial(quant.dequantize_sum_blocks, bits=bits))
-    return kern(v, s), ref(v, s), bits
+    return kern(v, s), ref(v, s), bits, None
 
 
 def _fused_case(bits, out_bits, n, seed, groups, elements, opts, kinds):
@@ -128,7 +169,10 @@ def _fused_case(bits, out_bits, n, seed, groups, elements, opts, kinds):
     kern = jax.jit(functools.partial(kern, bits=bits, out_bits=out_bits, **opts))
     ref = quant.dequantize_sum_quantize_blocks
     ref = jax.jit(functools.partial(ref, bits=bits, out_bits=out_bits))
-    return kern(v, s, key=key), ref(v, s, key=key), out_bits
+    x = None
+    if key is None:  # the float32 sum the kernel quantizes (every product q * s is exact)
+        x = quant.dequantize_sum_blocks(v, s, bits=bits)  # in order g = 0, 1, ..., as both
+    return kern(v, s, key=key), ref(v, s, key=key), out_bits, x
 
 
 def kinds(smoke: bool) -> list[str]:
@@ -184,11 +228,13 @@ def run_checks(smoke: bool) -> int:
     failures = 0
     for name, case in check_cases(smoke):
         try:
-            got, want, bits = jax.block_until_ready(case())
-            got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
-            found = [compare(g, w, kinds(smoke), bits) for g, w in zip(got, want, strict=True)]
+            got, want, bits, x = jax.block_until_ready(case())
+            pair = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+            found = [compare(g, w, kinds(smoke), bits) for g, w in zip(*pair, strict=True)]
             problems = [p for p in found if p]
             status = "ok" if not problems else "MISMATCH: " + "; ".join(problems)
+            if problems and x is not None:
+                status += arbitrate(x, got, want, bits)
         except Exception as e:  # report and keep checking the other kernels
             status = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         failures += status != "ok"
@@ -213,7 +259,10 @@ def timing_rows(size_mib: float, block_size: int, smoke: bool):
     nb = n // block_size
     x = jax.random.normal(jax.random.key(0), (nb, block_size), jnp.float32)
     opts = dict(interpret=smoke)
-    rows = []
+    # The gradient hops' Hadamard rotation (`ZeroPPConfig.grad_rotation`) runs as XLA
+    # operations beside the kernels: timed here as float32 in and out (bits: 32).
+    rot = jax.jit(functools.partial(rotation.rotate_blocks, block_size=block_size))
+    rows = [("rotate (Hadamard, XLA)", 32, rot, (x,), 8 * n)]
     for bits in (4,) if smoke else (8, 4, 2):
         packed = nb * block_size * bits // 8 + 4 * nb
         v, s = jax.jit(functools.partial(quant.quantize_blocks, bits=bits))(x)
