@@ -18,6 +18,6 @@ echo "gpu_kernels exit ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_kernels.log"
 $PY experiments/gpu_diagnostics/scan_params.py > "$OUT/scan_params.log" 2>&1
 timeout 60 $PY experiments/gpu_diagnostics/recip.py 2>&1 | head -4 > "$OUT/recip.log"
 SCAN=$($PY -c "import jax; print('--no-scan-layers' if jax.__version_info__ >= (0, 11) else '')")
-timeout 240 $PY experiments/gpu_step.py $SCAN --engines "XLA FSDP,ZeRO-3,ZeRO++,beyond" \
+timeout 240 $PY experiments/gpu_step.py $SCAN --engines "XLA FSDP,ZeRO-3,ZeRO++,zeropp_delta2" \
     --out "$OUT" 2>&1 | tee "$OUT/gpu_step.log"
 echo "gpu_step exit ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_step.log"

@@ -1,7 +1,8 @@
 """Which equations of a program read a weight: the table the placement interpreter
 (`zeropp_jax.placement`) uses to tell moves and casts of a weight from its uses, and how
 many uses each weight has (a weight read once is gathered at that use; one read by several
-equations is gathered once for all of them, see `placement`)."""
+equations is gathered once for all of them, see `placement`); and how a `scan` equation
+splits its operands (`scan_counts`), which the placement of scanned layers reads."""
 
 from __future__ import annotations
 
