@@ -15,38 +15,37 @@ from typing import Any
 import jax
 import numpy as np
 from jax import lax
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
 
-from zeropp_jax.jaxpr_reads import scan_counts
+from zeropp_jax import jaxpr_compat
+from zeropp_jax.jaxpr_compat import Jaxpr, JaxprEqn, Literal, Var
 
 
 def over_layers(
-    eqn: core.JaxprEqn, invals: list[Any], lazy_consts: list[int]
-) -> tuple[dict[str, Any], list[Any], list[tuple[int, int]]] | None:
+    eqn: JaxprEqn, scan: jaxpr_compat.Scan, invals: list[Any], lazy_consts: list[int]
+) -> tuple[JaxprEqn, list[Any], list[tuple[int, int]]] | None:
     """The scan `eqn` with its constants at `lazy_consts` (stacked weights) moved to its
     `xs`, or None when the body reads them other than by one layer at a counter.
 
     Args:
       eqn: a `scan` equation.
+      scan: what `jaxpr_compat.scan_of` reads of it.
       invals: its operands (constants, initial carry, xs); the initial carry of the
         counter must be a concrete integer.
       lazy_consts: positions among the constants of the stacked weights.
 
     Returns:
-      `(params, invals, layers)`: the rewritten scan's parameters and operands, in which
+      `(eqn, invals, layers)`: the rewritten scan equation and its operands, in which
       the stacked weights are the last `xs` (the operand itself, to be indexed by the
       caller), and per stacked weight `(start, step)`: iteration k reads layer `start +
       step * k` along its axis 0.
     """
-    p = eqn.params
-    nc, nk, length = scan_counts(eqn)
-    body = p["jaxpr"]
+    nc, nk, length = scan.num_consts, scan.num_carry, scan.length
+    body = scan.body
     jx = body.jaxpr
     weights = {jx.invars[k]: k for k in lazy_consts}
-    reads: dict[core.Var, list[core.JaxprEqn]] = {v: [] for v in weights}
+    reads: dict[Var, list[JaxprEqn]] = {v: [] for v in weights}
     for e in jx.eqns:
-        used = [v for v in e.invars if isinstance(v, core.Var) and v in weights]
+        used = [v for v in e.invars if isinstance(v, Var) and v in weights]
         if not used:
             continue
         w = e.invars[0]
@@ -58,7 +57,7 @@ def over_layers(
         ):
             return None
         reads[w].append(e)
-    if any(isinstance(v, core.Var) and v in weights for v in jx.outvars):
+    if any(isinstance(v, Var) and v in weights for v in jx.outvars):
         return None
     layers = {}
     for w, es in reads.items():
@@ -73,7 +72,7 @@ def over_layers(
             return None
         layers[w] = (int(seq[0][0]), steps.pop())
     # The new body: the weights' layers as the last inputs, each read broadcast to (1, ...).
-    new_vars = {w: core.Var(w.aval.update(shape=w.aval.shape[1:])) for w in weights}
+    new_vars = {w: jaxpr_compat.new_var(w.aval.update(shape=w.aval.shape[1:])) for w in weights}
     eqns = []
     for e in jx.eqns:
         if e.primitive is lax.dynamic_slice_p and e.invars[0] in weights:
@@ -84,36 +83,30 @@ def over_layers(
                 sharding=None,
             )
             eqns.append(
-                core.new_jaxpr_eqn(
-                    [new_vars[w]],
-                    e.outvars,
-                    lax.broadcast_in_dim_p,
-                    params,
-                    set(),
-                    e.source_info,
-                    e.ctx,
+                jaxpr_compat.new_eqn(
+                    [new_vars[w]], e.outvars, lax.broadcast_in_dim_p, params, like=e
                 )
             )
         else:
             eqns.append(e)
     kept = [v for k, v in enumerate(jx.invars[:nc]) if v not in weights]
     invars = [*kept, *jx.invars[nc:], *new_vars.values()]
-    new_jx = core.Jaxpr(jx.constvars, invars, jx.outvars, eqns, jx.effects, jx.debug_info)
-    new_jx = pe.dce_jaxpr(new_jx, [True] * len(jx.outvars), instantiate=True)[0]
-    params = dict(
-        p,
-        jaxpr=core.ClosedJaxpr(new_jx, body.consts),
+    new_jx = jaxpr_compat.jaxpr_like(jx, invars, jx.outvars, eqns)
+    new_jx = jaxpr_compat.dce(new_jx, [True] * len(jx.outvars), keep_inputs=True)[0]
+    new_eqn = jaxpr_compat.rebuilt_scan(
+        eqn,
+        body=jaxpr_compat.closed(new_jx, body.consts),
         num_consts=nc - len(weights),
-        linear=(False,) * len(invars),
+        num_xs=scan.num_xs + len(weights),
     )
     consts = [x for k, x in enumerate(invals[:nc]) if k not in lazy_consts]
     order = list(weights.values())
     new_invals = [*consts, *invals[nc:], *(invals[k] for k in order)]
-    return params, new_invals, [layers[jx.invars[k]] for k in order]
+    return new_eqn, new_invals, [layers[jx.invars[k]] for k in order]
 
 
 def _layer_sequence(
-    jx: core.Jaxpr,
+    jx: Jaxpr,
     consts: list[Any],
     indices: list[Any],
     invals: list[Any],
@@ -124,24 +117,24 @@ def _layer_sequence(
     """Per read (rows) and iteration (columns), the first index of each read, from the
     counter alone; None when an index depends on anything else or the counter's start is
     not concrete."""
-    idx_vars = [v for v in indices if isinstance(v, core.Var)]
-    literal = [None if isinstance(v, core.Var) else int(v.val) for v in indices]
+    idx_vars = [v for v in indices if isinstance(v, Var)]
+    literal = [None if isinstance(v, Var) else int(v.val) for v in indices]
     if not idx_vars:
         return None
-    probe = core.Jaxpr(jx.constvars, jx.invars, idx_vars, jx.eqns, debug_info=jx.debug_info)
-    idx_jx, used = pe.dce_jaxpr(probe, [True] * len(idx_vars))
+    probe = jaxpr_compat.jaxpr_like(jx, jx.invars, idx_vars, jx.eqns)
+    idx_jx, used = jaxpr_compat.dce(probe, [True] * len(idx_vars))
     counters = [k for k, u in enumerate(used) if u]
     if len(counters) != 1 or not nc <= counters[0] < nc + nk:
         return None
     j = counters[0]
     start = invals[j]
-    if isinstance(start, core.Tracer) or np.ndim(start) != 0:
+    if isinstance(start, jaxpr_compat.Tracer) or np.ndim(start) != 0:
         return None
     nxt = jx.outvars[j - nc]
-    if not isinstance(nxt, core.Var):
+    if not isinstance(nxt, Var):
         return None
-    step_jx, step_used = pe.dce_jaxpr(
-        core.Jaxpr(jx.constvars, jx.invars, [nxt], jx.eqns, debug_info=jx.debug_info), [True]
+    step_jx, step_used = jaxpr_compat.dce(
+        jaxpr_compat.jaxpr_like(jx, jx.invars, [nxt], jx.eqns), [True]
     )
     if [k for k, u in enumerate(step_used) if u] != [j]:
         return None
@@ -160,20 +153,19 @@ _VARYING = ("pvary", "pcast")
 """Primitives that only mark a value as varying over manual axes: no-ops on a value."""
 
 
-def _concrete(jx: core.Jaxpr, consts: list[Any], *args: Any) -> list[Any]:
+def _concrete(jx: Jaxpr, consts: list[Any], *args: Any) -> list[Any]:
     """`jx` evaluated on concrete values (at trace time; varying-axes marks skipped)."""
-    env: dict[core.Var, Any] = dict(zip(jx.constvars, consts, strict=True))
+    env: dict[Var, Any] = dict(zip(jx.constvars, consts, strict=True))
     env.update(zip(jx.invars, args, strict=True))
 
     def read(v):
-        return v.val if isinstance(v, core.Literal) else env[v]
+        return v.val if isinstance(v, Literal) else env[v]
 
     for e in jx.eqns:
         ins = [read(v) for v in e.invars]
         if e.primitive.name in _VARYING:
             outs = ins
         else:
-            out = e.primitive.bind(*ins, **e.params)
-            outs = out if e.primitive.multiple_results else [out]
+            outs = jaxpr_compat.bind_plain(e, ins)
         env.update(zip(e.outvars, outs, strict=True))
     return [read(v) for v in jx.outvars]

@@ -24,10 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import api, core
-from jax._src.interpreters import partial_eval as pe
 
-from zeropp_jax import dataflow
+from zeropp_jax import dataflow, jaxpr_compat
 from zeropp_jax import partition as part
 
 
@@ -57,7 +55,7 @@ class Loop:
     leaves: tuple[int, ...]
     layouts: tuple[part.LeafLayout, ...]
     chains: tuple[tuple[tuple[Any, dict[str, Any]], ...], ...]
-    body: core.ClosedJaxpr
+    body: jaxpr_compat.ClosedJaxpr
     num_carry: int
     length: int
     lazy_pos: tuple[int, ...]
@@ -234,7 +232,7 @@ def run(
             x_plain = _take(plain, i)
             if not save:
                 xs_i = loop.xs(x_plain, loop.weights(flats))
-                out = core.eval_jaxpr(loop.body.jaxpr, loop.body.consts, *consts, *c, *xs_i)
+                out = jaxpr_compat.eval_jaxpr(loop.body.jaxpr, loop.body.consts, *consts, *c, *xs_i)
                 return out[: loop.num_carry], (out[loop.num_carry :], ())
             (new_c, y), vjp = split.vjp(loop.weights(flats), consts, c, x_plain)
             leaves, traced["tree"] = jax.tree_util.tree_flatten(vjp)
@@ -352,8 +350,8 @@ class _Split:
       loop: the loop.
     """
 
-    known: core.ClosedJaxpr
-    unknown: core.ClosedJaxpr
+    known: jaxpr_compat.ClosedJaxpr
+    unknown: jaxpr_compat.ClosedJaxpr
     loop: Loop
 
     @classmethod
@@ -362,21 +360,21 @@ class _Split:
         nc = len(body.invars) - loop.num_carry - len(loop.lazy_pos) - len(loop.plain_pos)
         weight_in = {nc + loop.num_carry + i for i in loop.lazy_pos}
         unknowns = [k not in weight_in for k in range(len(body.invars))]
-        known, unknown, _, _ = pe.partial_eval_jaxpr_nounits(loop.body, unknowns, True)
+        known, unknown = jaxpr_compat.split_known(loop.body, unknowns)
         return cls(known, unknown, loop)
 
     def prologue(self, weights: list[Any]) -> list[Any]:
-        return core.eval_jaxpr(self.known.jaxpr, self.known.consts, *weights)
+        return jaxpr_compat.eval_jaxpr(self.known.jaxpr, self.known.consts, *weights)
 
     def _main(self, pre, consts, carry, plain):
         # The unknown half reads the body's inputs in their order, minus the weights.
         lp = self.loop
         xs = lp.xs(plain, [None] * len(lp.lazy_pos))
         ins = [*consts, *carry, *(x for x in xs if x is not None)]
-        out = core.eval_jaxpr(self.unknown.jaxpr, self.unknown.consts, *pre, *ins)
+        out = jaxpr_compat.eval_jaxpr(self.unknown.jaxpr, self.unknown.consts, *pre, *ins)
         return list(out[: lp.num_carry]), list(out[lp.num_carry :])
 
-    def vjp(self, weights, consts, carry, plain) -> tuple[tuple[list, list], api.VJP]:
+    def vjp(self, weights, consts, carry, plain) -> tuple[tuple[list, list], Any]:
         """The layer's outputs and its VJP, whose residuals hold neither the prologue's
         outputs nor the constants nor the plain `xs` (`pull` puts them back)."""
         pre = self.prologue(weights)
@@ -386,29 +384,21 @@ class _Split:
             a, b, c, d = _cuts(list(args), n)
             return self._main(a, b, c, d)
 
-        out, vjp = jax.vjp(main, *pre, *consts, *carry, *plain)
-        dropped = _dropped(n)
-        vjp.args_res = [api.NotNeeded() if k in dropped else r for k, r in enumerate(vjp.args_res)]
-        return out, vjp
+        return jaxpr_compat.vjp_dropping(main, [*pre, *consts, *carry, *plain], _saved(n))
 
     def pull(self, vjp, pre, consts, plain, g_c, g_y):
         """Cotangents of the prologue's outputs, the constants, the carry and the plain xs."""
         n = (len(pre), len(consts), len(g_c), len(plain))
-        fill = iter([*pre, *consts, *[None] * n[2], *plain])
-        dropped = _dropped(n)
-        args_res = []
-        for k, r in enumerate(vjp.args_res):
-            v = next(fill)
-            args_res.append(v if k in dropped else r)
-        vjp.args_res = args_res
+        args = [*pre, *consts, *[None] * n[2], *plain]
+        vjp = jaxpr_compat.vjp_restored(vjp, args, _saved(n))
         return _cuts(list(vjp((list(g_c), list(g_y)))), n)
 
 
-def _dropped(n: tuple[int, int, int, int]) -> set[int]:
-    """Argument positions of `_Split.main` whose residuals are put back, not kept: the
-    prologue's outputs, the constants and the plain xs (not the carry)."""
+def _saved(n: tuple[int, int, int, int]) -> list[bool]:
+    """Per argument of `_Split.main`, whether its VJP keeps it: the carry only (the
+    prologue's outputs, the constants and the plain xs are put back by `pull`)."""
     a, b, c, d = n
-    return set(range(a + b)) | set(range(a + b + c, a + b + c + d))
+    return [False] * (a + b) + [True] * c + [False] * d
 
 
 def _cuts(xs: list[Any], n: tuple[int, ...]) -> list[list[Any]]:

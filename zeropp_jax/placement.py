@@ -52,12 +52,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import ad_checkpoint, core, source_info_util
-from jax._src.lax.control_flow import cond_p, scan_p, while_p
 
-from zeropp_jax import dataflow, indexed_scan, layer_view, layered_scan, relayout, tensor_parallel
+from zeropp_jax import (
+    dataflow,
+    indexed_scan,
+    jaxpr_compat,
+    layer_view,
+    layered_scan,
+    relayout,
+    tensor_parallel,
+)
 from zeropp_jax import partition as part
-from zeropp_jax.jaxpr_reads import CHAIN_PRIMITIVES, INLINED_CALLS, count_uses, scan_counts
+from zeropp_jax.jaxpr_reads import CHAIN_PRIMITIVES, count_uses
 from zeropp_jax.weight_gather import SECONDARY_NAME
 
 WHOLE_SCOPE = "zeropp_whole_gather"
@@ -99,18 +105,6 @@ class Context:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _bind(eqn: core.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
-    """Binds `eqn`'s primitive to `invals`, under the equation's name stack and context."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with (
-        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-        eqn.ctx.manager,
-    ):
-        out = eqn.primitive.bind(*invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _full_weight(g: dataflow.Gathers, lz: Lazy, flat: jax.Array) -> jax.Array:
     layout = g.layout(lz.leaf)
     full = tensor_parallel.place_gathered(part.unpiece(flat, layout, g.num_devices), layout)
@@ -132,12 +126,14 @@ def _warn(ctx: Context, leaf: int, where: str) -> None:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context) -> list:
+def evaluate(
+    jaxpr: jaxpr_compat.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context
+) -> list:
     """Runs `jaxpr` on `args`, some of which are `Lazy` weights; returns its outputs."""
-    env: dict[core.Var, Any] = {}
+    env: dict[jaxpr_compat.Var, Any] = {}
 
     def read(v: Any) -> Any:
-        return v.val if isinstance(v, core.Literal) else env[v]
+        return v.val if isinstance(v, jaxpr_compat.Literal) else env[v]
 
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env[v] = x
@@ -152,36 +148,38 @@ def evaluate(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx:
     return [_materialize(ctx, x, "as a model output") if isinstance(x, Lazy) else x for x in outs]
 
 
-def _eval_eqn(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
+def _eval_eqn(eqn: jaxpr_compat.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
     lazy_idx = [i for i, x in enumerate(invals) if isinstance(x, Lazy)]
     if not lazy_idx:
-        return _bind(eqn, invals)
+        return jaxpr_compat.bind(eqn, invals)
     prim = eqn.primitive
     if prim.name in CHAIN_PRIMITIVES and len(lazy_idx) == 1 and len(eqn.outvars) == 1:
         lz = invals[lazy_idx[0]]
         others = [x for i, x in enumerate(invals) if i != lazy_idx[0]]
         if not others:
-            params = prim.get_bind_params(eqn.params)
+            params = jaxpr_compat.bind_params(eqn)
             return [
                 dataclasses.replace(lz, aval=eqn.outvars[0].aval, chain=(*lz.chain, (prim, params)))
             ]
-    if prim in INLINED_CALLS:
-        inner = eqn.params[INLINED_CALLS[prim]]
+    inner = jaxpr_compat.inlined_call(eqn)
+    if inner is not None:
         return evaluate(inner.jaxpr, inner.consts, invals, ctx)
-    if prim is ad_checkpoint.remat_p:
-        return _checkpointed(eqn, invals, ctx)
-    if prim is scan_p:
-        out = _place_scan(eqn, invals, ctx)
+    remat = jaxpr_compat.remat_of(eqn)
+    if remat is not None:
+        return _checkpointed(remat, invals, ctx)
+    scan = jaxpr_compat.scan_of(eqn)
+    if scan is not None:
+        out = _place_scan(eqn, scan, invals, ctx)
         if out is not None:
             return out
         where = "by a lax.scan the engine does not rebuild per layer"
         for i in lazy_idx:
             invals[i] = _materialize(ctx, invals[i], where)
-        return _bind(eqn, invals)
-    if prim in (cond_p, while_p):
+        return jaxpr_compat.bind(eqn, invals)
+    if prim in (jaxpr_compat.cond_p, jaxpr_compat.while_p):
         for i in lazy_idx:
             invals[i] = _materialize(ctx, invals[i], f"inside a `{prim.name}`")
-        return _bind(eqn, invals)
+        return jaxpr_compat.bind(eqn, invals)
     if any(ctx.uses.get(invals[i].leaf, 1) > 1 for i in lazy_idx):
         return _at_shared_use(eqn, invals, lazy_idx, ctx)
     return _at_use(eqn, invals, lazy_idx, ctx)
@@ -196,15 +194,14 @@ def _materialize(ctx: Context, lz: Lazy, where: str | None) -> jax.Array:
     return _full_weight(ctx.gathers, lz, flat)
 
 
-def _checkpointed(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
+def _checkpointed(remat: jaxpr_compat.Remat, invals: list[Any], ctx: Context) -> list[Any]:
     """A user's `jax.checkpoint` block, evaluated under `jax.checkpoint` with its policy
     plus the secondary shards saved (so its recompute never crosses nodes)."""
-    inner = eqn.params["jaxpr"]
     lazy_idx = [i for i, x in enumerate(invals) if isinstance(x, Lazy)]
     shards = [invals[i].shard for i in lazy_idx]
     others = [x for i, x in enumerate(invals) if i not in lazy_idx]
     names = jax.checkpoint_policies.save_only_these_names(SECONDARY_NAME)
-    user = eqn.params.get("policy")
+    user = remat.policy
     policy = names if user is None else jax.checkpoint_policies.save_from_both_policies(user, names)
 
     def block(shards, others):
@@ -221,19 +218,17 @@ def _checkpointed(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[A
             reductions=ctx.reductions,
             warned=ctx.warned,
         )
-        consts = inner.consts if hasattr(inner, "consts") else ()
-        jx = inner.jaxpr if hasattr(inner, "jaxpr") else inner
-        return evaluate(jx, consts, args, sub)
+        return evaluate(remat.jaxpr, remat.consts, args, sub)
 
-    return jax.checkpoint(block, policy=policy, prevent_cse=eqn.params.get("prevent_cse", True))(
-        shards, others
-    )
+    return jax.checkpoint(block, policy=policy, prevent_cse=remat.prevent_cse)(shards, others)
 
 
 # ----------------------------------------------------------------------------- one use
 
 
-def _at_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], ctx: Context) -> list:
+def _at_use(
+    eqn: jaxpr_compat.JaxprEqn, invals: list[Any], lazy_idx: list[int], ctx: Context
+) -> list:
     """Runs one equation that reads lazy weights, gathering them for it alone."""
     g = ctx.gathers
     lazies = [invals[i] for i in lazy_idx]
@@ -250,7 +245,7 @@ def _at_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], ctx: Con
             merged[i] = a
         for i, w in zip(lazy_idx, weights, strict=True):
             merged[i] = w
-        return _bind(eqn, merged)
+        return jaxpr_compat.bind(eqn, merged)
 
     def flats(pieces, wires, fixed, alternate):
         return [
@@ -316,7 +311,9 @@ def _shared(
     return ctx.shared[lz.leaf]
 
 
-def _at_shared_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], ctx: Context):
+def _at_shared_use(
+    eqn: jaxpr_compat.JaxprEqn, invals: list[Any], lazy_idx: list[int], ctx: Context
+):
     """One use of weights gathered once for several uses: the forward reads the shared
     full weight; the backward re-gathers it (from the secondary shard with hpZ) rather
     than keeping it, and returns the weight's cotangent to the shared gather. With
@@ -347,7 +344,7 @@ def _at_shared_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], c
             merged[i] = a
         for i, lz, f in zip(lazy_idx, lazies, flat, strict=True):
             merged[i] = _full_weight(g, lz, f)
-        return _bind(eqn, merged)
+        return jaxpr_compat.bind(eqn, merged)
 
     @jax.custom_vjp
     def use(own, flats, acts, wires, pieces, fixed):
@@ -381,7 +378,9 @@ def _at_shared_use(eqn: core.JaxprEqn, invals: list[Any], lazy_idx: list[int], c
 # ----------------------------------------------------------------------------- scans
 
 
-def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any] | None:
+def _place_scan(
+    eqn: jaxpr_compat.JaxprEqn, scan: jaxpr_compat.Scan, invals: list[Any], ctx: Context
+) -> list[Any] | None:
     """A scan whose `xs` hold stacked lazy weights, rebuilt to gather one layer per
     iteration; None when this scan cannot be rebuilt so (the caller gathers whole).
 
@@ -392,22 +391,21 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
     runs as a forward one over reversed `xs`, its `ys` reversed back.
     """
     g = ctx.gathers
-    p = eqn.params
-    nc, nk, length = scan_counts(eqn)
-    consts, init, xs = invals[:nc], invals[nc : nc + nk], list(invals[nc + nk :])
+    nk, length = scan.num_carry, scan.length
+    consts, init, xs = scan.split(invals)
     if any(isinstance(x, Lazy) for x in init):
         return None
     lazy_consts = [k for k, x in enumerate(consts) if isinstance(x, Lazy)]
     if lazy_consts:
-        rewritten = indexed_scan.over_layers(eqn, invals, lazy_consts)
+        rewritten = indexed_scan.over_layers(eqn, scan, invals, lazy_consts)
         if rewritten is None:
             return None
-        params, invals, layers = rewritten
+        eqn, invals, layers = rewritten
         n = len(invals) - len(layers)
         for k, (start, step) in enumerate(layers):
-            invals[n + k] = _layers_read(invals[n + k], start, step, p["length"])
-        return _place_scan(eqn.replace(params=params), invals, ctx)
-    if p["reverse"]:
+            invals[n + k] = _layers_read(invals[n + k], start, step, length)
+        return _place_scan(eqn, jaxpr_compat.scan_of(eqn), invals, ctx)
+    if scan.reverse:
         xs = [_reversed(x) for x in xs]
     matrices, views = [], []
     for i, x in enumerate(xs):
@@ -430,8 +428,9 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
             matrices.append(i)
             views.append(view)
     if not matrices:
-        outs = _bind(eqn.replace(params={**p, "reverse": False}), [*consts, *init, *xs])
-        return _unreversed(outs, nk) if p["reverse"] else outs
+        forward = jaxpr_compat.rebuilt_scan(eqn, reverse=False)
+        outs = jaxpr_compat.bind(forward, [*consts, *init, *xs])
+        return _unreversed(outs, nk) if scan.reverse else outs
     plain_pos = [i for i in range(len(xs)) if i not in matrices]
     tie = dataflow.first_array(init) if ctx.tie is None or not ctx.prefetch else ctx.tie
     first = dataflow.first_array(init)
@@ -456,7 +455,7 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
         leaves=tuple(xs[i].leaf for i in matrices),
         layouts=tuple(layouts),
         chains=tuple(v.chain for v in views),
-        body=p["jaxpr"],
+        body=scan.body,
         num_carry=nk,
         length=length,
         lazy_pos=tuple(matrices),
@@ -474,7 +473,7 @@ def _place_scan(eqn: core.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any
         tie,
         [g.residuals(xs[i].leaf) for i in matrices],
     )
-    return _unreversed(outs, nk) if p["reverse"] else outs
+    return _unreversed(outs, nk) if scan.reverse else outs
 
 
 def _unreversed(outs: list[Any], num_carry: int) -> list[Any]:
@@ -542,6 +541,7 @@ def run_placed(
     Returns:
       The model's output pytree.
     """
+    jaxpr_compat.check_supported()
     sharded = [i for i in range(len(weights)) if not _is_value(weights[i])]
     closed, out_shape = jax.make_jaxpr(lambda w, o: model(w, *o), return_shape=True)(
         list(weights), tuple(others)
@@ -561,4 +561,4 @@ def run_placed(
 
 
 def _is_value(x: Any) -> bool:
-    return not isinstance(x, core.ShapedArray)
+    return not isinstance(x, jaxpr_compat.ShapedArray)

@@ -29,6 +29,8 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
+from zeropp_jax import jaxpr_compat
+
 KEY = "zeropp_jax/stop_step"
 """The coordination-service key that holds the agreed stop step."""
 
@@ -41,9 +43,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 def _client() -> Any:
     """The `jax.distributed` client, or None when this process runs alone."""
-    from jax._src import distributed
-
-    return distributed.global_state.client
+    return jaxpr_compat.distributed_client()
 
 
 class StopGuard:
