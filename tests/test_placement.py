@@ -232,9 +232,10 @@ def test_weight_read_inside_a_cond_is_gathered_whole_with_a_warning():
 
 
 def _subjaxprs(eqn):
-    from jax._src import core
+    import jax.extend.core
 
-    return [j.jaxpr if hasattr(j, "jaxpr") else j for j in core.jaxprs_in_params(eqn.params)]
+    subs = jax.extend.core.jaxprs_in_params(eqn.params)
+    return [j.jaxpr if hasattr(j, "jaxpr") else j for j in subs]
 
 
 def _kinds(eqn) -> set[str]:
