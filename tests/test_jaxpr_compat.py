@@ -241,3 +241,14 @@ def test_an_opt_in_primitive_flag_is_refused_naming_it_and_the_fix(flag):
     finally:
         jax.config.update(flag, False)
     jaxpr_compat.check_supported()
+
+
+def test_shard_refuses_an_opt_in_primitive_flag_before_tracing():
+    import zeropp_jax as zpp
+
+    jax.config.update("jax_scan3", True)
+    try:
+        with pytest.raises(RuntimeError, match="jax_scan3 is on"):
+            zpp.shard(lambda state, batch: (state, {}))
+    finally:
+        jax.config.update("jax_scan3", False)

@@ -23,7 +23,7 @@ from flax import struct
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 
-from zeropp_jax import optimizer_view, state_init, tensor_parallel
+from zeropp_jax import jaxpr_compat, optimizer_view, state_init, tensor_parallel
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax.config import ZeroPPConfig
@@ -553,7 +553,10 @@ def shard(
         is not a ZeroPPConfig; when the step is called or lowered, for a state that is not
         a zpp.TrainState or was built for another `mesh` or `config` than the given ones,
         and for a batch that does not divide over the state's mesh.
+      RuntimeError: here and when the step is traced, where jax is set to write programs
+        the engine cannot read (`jaxpr_compat.check_supported`: e.g. `jax_scan3` on).
     """
+    jaxpr_compat.check_supported()
     if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise ValueError(
