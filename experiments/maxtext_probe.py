@@ -1,32 +1,42 @@
 """MaxText's own decoder under `zpp.shard`: a tiny Llama-2 with MaxText's default layout.
 
+On Python 3.12+ MaxText is imported as installed (`experiments/maxtext_env.sh` builds a
+Python 3.13 venv with maxtext 0.2.5, jax 0.12.0.1 and the packages its decoder imports):
+
+    bash experiments/maxtext_env.sh
+    .venv313-maxtext/bin/python experiments/maxtext_probe.py --out DIR
+
+On Python 3.11 (MaxText asks for 3.12+), it is read from a folder and backported at import
+time:
+
     pip install --no-deps --ignore-requires-python --target /tmp/mt maxtext==0.2.5
     pip install --target /tmp/mtdeps pydantic omegaconf
     python experiments/maxtext_probe.py --maxtext /tmp/mt --deps /tmp/mtdeps
 
-MaxText is not a dependency of this project (it asks for Python >= 3.12 and a newer jax);
-this probe is run by hand. It builds `maxtext.models.models.transformer_as_linen` from
-MaxText's `base.yml` with a tiny Llama-2 (`decoder_block=llama2`, d_model 64, 2 layers, 4
-heads, vocabulary 256, sequence 16), `scan_layers=True`, MaxText's default
-`param_scan_axis=1` (each stacked weight stored with its layer axis at 1; MaxText moves it
-to the front with a transpose before it scans), `remat_policy=full`, float32. It trains 3
-steps of next-token cross-entropy under `zpp.shard` (ZeRO-3 unquantized, flat gathers,
-float32 compute, 2 x 4 mesh of emulated CPU devices) against `jax.jit` on one device, with
-SGD and with Adam, and records from the forward gathers of the communication ledger
-whether each stacked weight is gathered one layer at a time, and any whole-gather warning.
+MaxText is not a dependency of this project; this probe is run by hand. It builds
+`maxtext.models.models.transformer_as_linen` from MaxText's `base.yml` with a tiny Llama-2
+(`decoder_block=llama2`, d_model 64, 2 layers, 4 heads, vocabulary 256, sequence 16),
+`scan_layers=True`, MaxText's default `param_scan_axis=1` (each stacked weight stored with
+its layer axis at 1; MaxText moves it to the front with a transpose before it scans),
+`remat_policy=full`, float32. It trains 3 steps of next-token cross-entropy under
+`zpp.shard` (ZeRO-3 unquantized, flat gathers, float32 compute, 2 x 4 mesh of emulated CPU
+devices) against `jax.jit` on one device, with SGD and with Adam, and records from the
+forward gathers of the communication ledger whether each stacked weight is gathered one
+layer at a time, and any whole-gather warning.
 
-Backports, applied at import time (MaxText's files are never edited):
-  * its modules are compiled with Python 3.12's `type X = ...` statements rewritten as
-    assignments (Python 3.11 here);
+On every Python, `maxtext.utils.sharding.maybe_shard_with_name` (MaxText's activation
+sharding constraint, a `with_sharding_constraint` on MaxText's own mesh) returns its input
+unchanged inside a `shard_map` with manual axes, where values are per device and MaxText's
+mesh is not the one in context; outside (the one-device reference) it runs as MaxText
+wrote it. MaxText's files are never edited.
+
+Backports, on Python < 3.12 only, applied at import time:
+  * MaxText's modules are compiled with Python 3.12's `type X = ...` statements rewritten
+    as assignments;
   * `jax.experimental.xla_metadata.must_fuse_call` (newer jax; used only by MaxText's
     flash-attention kernel, which this config does not run) raises if called;
-  * packages MaxText imports at module level but this model never calls (aqt, qwix,
-    tokamax, grain, transformers, tokenizers' wrappers, pathwaysutils, drjax, sympy)
-    are stand-in modules;
-  * `maxtext.utils.sharding.maybe_shard_with_name` (MaxText's activation sharding
-    constraint, on MaxText's own mesh) returns its input unchanged inside a `shard_map`
-    with manual axes, where values are per device; outside (the one-device reference)
-    it runs as MaxText wrote it.
+  * packages MaxText imports at module level but this model never calls (`STUBBED`) are
+    stand-in modules.
 
 Writes `maxtext_probe.md` into `--out` (default `experiments/results`).
 """
@@ -34,8 +44,11 @@ Writes `maxtext_probe.md` into `--out` (default `experiments/results`).
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
+import importlib.util
 import pathlib
 import re
 import sys
@@ -64,7 +77,20 @@ STUBBED = (
     "tokamax",
     "transformers",
 )
-"""Packages MaxText imports at module level that this model never calls."""
+"""Packages MaxText imports at module level that this model never calls (stand-ins on
+Python < 3.12 only)."""
+
+SKIP_REASON = (
+    "Without it (measured on Python 3.13, jax 0.12.0.1, maxtext 0.2.5), tracing the "
+    "backward pass fails: transposing the constraint inside the engine's `shard_map` enters "
+    "MaxText's mesh (12 axes of size 1) over the engine's manual 2 x 4 mesh and jax raises "
+    "`ValueError: use_abstract_mesh cannot change the size of the mesh`. The constraint "
+    "only places values on MaxText's mesh; it computes nothing, so the numbers are MaxText's."
+)
+"""Why `maybe_shard_with_name` is skipped inside `shard_map` (written into the results)."""
+
+BACKPORTED = sys.version_info < (3, 12)
+"""Whether MaxText needs the backports: it is written for Python 3.12+."""
 
 LAYERS, WIDTH, HEADS, HEAD_DIM, MLP, VOCAB, SEQ, BATCH, STEPS = 2, 64, 4, 16, 128, 256, 16, 8, 3
 
@@ -153,10 +179,8 @@ class _Backports(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def install_backports(maxtext: str, deps: str | None) -> None:
-    sys.path.insert(0, maxtext)
-    if deps:
-        sys.path.append(deps)  # after the venv's packages: only what it lacks
+def install_backports() -> None:
+    """Makes MaxText importable on Python 3.11 (see the module docstring)."""
     sys.dont_write_bytecode = True  # keep the rewritten modules out of maxtext's caches
     sys.meta_path.insert(0, _Backports())
     import jax.experimental.xla_metadata as xla_metadata
@@ -169,9 +193,24 @@ def install_backports(maxtext: str, deps: str | None) -> None:
         xla_metadata.must_fuse_call = must_fuse_call
 
 
+def import_maxtext(folder: str | None, deps: str | None) -> types.ModuleType:
+    """`maxtext` from `folder` (first on the path) or, without one, as installed; with the
+    backports on Python < 3.12. `deps` goes after the interpreter's own packages."""
+    if folder:
+        sys.path.insert(0, folder)
+    if deps:
+        sys.path.append(deps)  # only what the interpreter lacks
+    if BACKPORTED:
+        install_backports()
+    return importlib.import_module("maxtext")
+
+
 def unconstrained_inside_shard_map() -> None:
-    """MaxText's activation constraints name its own mesh; inside the engine's `shard_map`
-    island (manual axes) values are per device, so they are skipped there."""
+    """Skips MaxText's activation sharding constraint inside the engine's `shard_map`.
+
+    The constraint names MaxText's own mesh; inside the island (manual axes) values are per
+    device. Outside it runs as MaxText wrote it. See `SKIP_REASON`.
+    """
     import maxtext.utils.sharding as mts
 
     original = mts.maybe_shard_with_name
@@ -190,8 +229,8 @@ def unconstrained_inside_shard_map() -> None:
 # ----------------------------------------------------------------------------- the probe
 
 
-def build(maxtext: str, param_scan_axis: int):  # noqa: ANN201
-    """`(model, params, config)`: MaxText's decoder, its unboxed parameters and the
+def build(maxtext: types.ModuleType, param_scan_axis: int):  # noqa: ANN201
+    """`(model, params, names)`: MaxText's decoder, its unboxed parameters and the
     logical names of each."""
     import flax.linen as nn
     from maxtext.configs import pyconfig
@@ -221,7 +260,7 @@ def build(maxtext: str, param_scan_axis: int):  # noqa: ANN201
         hardware="cpu",
         run_name="maxtext_probe",
     )
-    base = str(pathlib.Path(maxtext) / "maxtext" / "configs" / "base.yml")
+    base = str(pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml")
     cfg = pyconfig.initialize(["maxtext_probe", base] + [f"{k}={v}" for k, v in overrides.items()])
     mesh = jax.sharding.Mesh(
         maxtext_utils.create_device_mesh(cfg, devices=jax.devices()[:1]), cfg.mesh_axes
@@ -301,17 +340,27 @@ def run(model, params, tx_name: str) -> dict:  # noqa: ANN001
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--maxtext", required=True, help="folder maxtext 0.2.5 is installed into")
-    p.add_argument("--deps", default=None, help="folder with pydantic and omegaconf")
+    p.add_argument(
+        "--maxtext",
+        default=None,
+        help="folder holding the maxtext package (default: the installed one; "
+        "needed on Python < 3.12)",
+    )
+    p.add_argument("--deps", default=None, help="folder with pydantic and omegaconf (Python 3.11)")
     p.add_argument("--param-scan-axis", type=int, default=1, help="MaxText's default: 1")
     p.add_argument("--out", default=str(_common.RESULTS))
     args = p.parse_args(argv)
+    if args.maxtext is None and importlib.util.find_spec("maxtext") is None:
+        p.error(f"maxtext is not installed for {sys.executable}: give --maxtext FOLDER")
     machine = _common.machine_line()
-    install_backports(args.maxtext, args.deps)
-    import importlib.metadata
-
+    maxtext = import_maxtext(args.maxtext, args.deps)
     version = importlib.metadata.version("maxtext")
-    model, params, names = build(args.maxtext, args.param_scan_axis)
+    if BACKPORTED:
+        how = "backported at import time, see `experiments/maxtext_probe.py`"
+    else:
+        how = "as installed, no backports"
+    where = pathlib.Path(maxtext.__file__).parent
+    model, params, names = build(maxtext, args.param_scan_axis)
     from zeropp_jax import placement
 
     runs = {tx: run(model, params, tx) for tx in ("sgd", "adam")}
@@ -353,8 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     loop_bytes = sum(r.out_bytes for r in in_loop)
     loop_trips = sorted({r.trip_count for r in in_loop})
     text = (
-        f"# MaxText's decoder under zpp.shard\n\n{machine}; maxtext {version} (backported at "
-        "import time, see `experiments/maxtext_probe.py`).\n\n"
+        f"# MaxText's decoder under zpp.shard\n\n{machine}; maxtext {version} ({how}; "
+        f"`{where}`).\n\n"
         f"`transformer_as_linen`, Llama-2 block, d_model {WIDTH}, {LAYERS} layers, {HEADS} "
         f"heads, MLP {MLP}, vocabulary {VOCAB}, sequence {SEQ}, batch {BATCH}, "
         f"`scan_layers=True`, `param_scan_axis={args.param_scan_axis}`, `remat_policy=full`, "
@@ -372,7 +421,13 @@ def main(argv: list[str] | None = None) -> None:
         "stacked matrix gathered one layer at a time (layer 0 before the loop, layer i+1 "
         "in iteration i); the excess is layout padding (see RESULTS). The per-layer vectors "
         "(the norm scales) are gathered whole before the loop, by design, without a warning."
-        "\n\nPer stacked weight (layer axis named `layers`): its whole stack's gathers "
+        "\n\nOne change to MaxText's behaviour, on every Python: its activation sharding "
+        "constraint `maxtext.utils.sharding.maybe_shard_with_name` (a "
+        "`with_sharding_constraint` to a `NamedSharding` on MaxText's own mesh) returns its "
+        "input unchanged inside the engine's `shard_map`, where the mesh axes are manual and "
+        "values are per device; outside it (the one-device reference) it runs as written. "
+        + SKIP_REASON
+        + "\n\nPer stacked weight (layer axis named `layers`): its whole stack's gathers "
         "under the engine's whole-gather scope, and the largest relative difference of its "
         "trained values against one device.\n\n" + _common.markdown_table(head, rows)
     )
