@@ -10,10 +10,13 @@ however either side contracts `acc + q * scale` into FMAs, because every product
 A leaf package: it imports only jax and numpy. The four block functions are what the
 collectives call (`zeropp_jax.kernels.pallas_codec` bundles them); `quantize_blockwise` and
 `dequantize_blockwise` quantize a whole array, as the reference's functions of those names.
+`trace_for_gpu` and `shard_map_mesh` lower the compiled kernels for a GPU on a machine
+without one (see `_target.py`).
 """
 
 from __future__ import annotations
 
+from pallas_kernels._target import ABSTRACT_GPU_KIND, shard_map_mesh, trace_for_gpu
 from pallas_kernels._tiling import Tiling
 from pallas_kernels.blockwise import QuantizedArray, dequantize_blockwise, quantize_blockwise
 from pallas_kernels.dequantize import dequantize_blocks
@@ -22,6 +25,7 @@ from pallas_kernels.dequantize_sum_quantize import dequantize_sum_quantize_block
 from pallas_kernels.quantize import quantize_blocks
 
 __all__ = [
+    "ABSTRACT_GPU_KIND",
     "QuantizedArray",
     "Tiling",
     "dequantize_blocks",
@@ -30,4 +34,6 @@ __all__ = [
     "dequantize_sum_quantize_blocks",
     "quantize_blocks",
     "quantize_blockwise",
+    "shard_map_mesh",
+    "trace_for_gpu",
 ]

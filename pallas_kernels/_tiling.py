@@ -1,16 +1,19 @@
 """Tile sizes, argument checks and the `pallas_call` plumbing every kernel shares.
 
-GPU backend. On an NVIDIA GPU, jax 0.10 and 0.11 lower a plain `pl.pallas_call` (no
-`compiler_params`) with *Mosaic GPU*, because the `jax_pallas_use_mosaic_gpu` flag defaults
-to True (`jax/_src/config.py`; `gpu_lowering` in `jax/_src/pallas/pallas_call.py` picks the
-backend from the type of `compiler_params`, else from that flag), and it warns that
-`pallas_call` for Mosaic GPU is deprecated in favour of `plgpu.kernel`. These kernels target
-the *Triton* backend instead, by always passing `jax.experimental.pallas.triton
-.CompilerParams` off interpret mode: grid plus `BlockSpec` tiling of rows is Triton's
-programming model, it runs on any NVIDIA GPU from sm_80 (Mosaic GPU wants Hopper or newer),
-and it lowers the integer shifts, masks and reductions the packed layout needs. The Pallas
-changelog for jax 0.11.0 (docs.jax.dev/en/latest/pallas/CHANGELOG.html, "Triton") marks the
-Triton backend deprecated; it still works there and warns at lowering.
+GPU backend. On an NVIDIA GPU, a plain `pl.pallas_call` (no `compiler_params`) is lowered
+with *Mosaic GPU* by jax 0.10 to 0.11.1, whose `jax_pallas_use_mosaic_gpu` flag defaults to
+True (`gpu_lowering` in `jax/_src/pallas/pallas_call.py` picks the backend from the type of
+`compiler_params`, else from that flag; it warns that `pallas_call` for Mosaic GPU is
+deprecated in favour of `plgpu.kernel`), and with *Triton* by jax 0.11.2 and 0.12, which
+have no such flag. These kernels target Triton on every version, by always passing
+`jax.experimental.pallas.triton.CompilerParams` off interpret mode: grid plus `BlockSpec`
+tiling of rows is Triton's programming model, it runs on any NVIDIA GPU from sm_80 (Mosaic
+GPU wants Hopper or newer), and it lowers the integer shifts, masks and reductions the
+packed layout needs. The Pallas changelog for jax 0.11.0
+(docs.jax.dev/en/latest/pallas/CHANGELOG.html, "Triton") marks the Triton backend
+deprecated; it still works in 0.12, and from 0.11.2 every Triton lowering emits a
+`DeprecationWarning`. Where there is no GPU, jax 0.11 and newer need the target GPU named
+(`_target.py`).
 
 Bit-exactness on Triton needs three precautions, all in `_planes.py`: Triton lowers f32
 division to the approximate `div.full.f32` (FDivOpConversion in Triton's NVIDIA backend), so

@@ -1,11 +1,12 @@
 """The compiled (Triton) Pallas kernels, lowered for CUDA on this CPU machine.
 
-`jit(f).trace(...).lower(lowering_platforms=("cuda",))` runs JAX's Pallas-to-Triton lowering
-(each kernel becomes Triton IR inside a `__gpu$xla.gpu.triton` call) without a GPU. So a
-primitive Triton cannot lower, a block shape it refuses, or a shape the engine would hand
-the compiled kernels that they reject fails here rather than on the first GPU run. What
-this cannot check is Triton's compile to PTX and the numbers on a GPU: that is
-`experiments/gpu_kernels.py`.
+`jit(f).trace(...).lower(lowering_platforms=("cuda",))` under `pallas_kernels.trace_for_gpu`
+(which gives jax 0.11 and newer a target GPU where there is none; `ShardedStep.lower`
+enters it) runs JAX's Pallas-to-Triton lowering (each kernel becomes Triton IR inside a
+`__gpu$xla.gpu.triton` call) without a GPU. So a primitive Triton cannot lower, a block
+shape it refuses, or a shape the engine would hand the compiled kernels that they reject
+fails here rather than on the first GPU run. What this cannot check is Triton's compile to
+PTX and the numbers on a GPU: that is `experiments/gpu_kernels.py`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ TILING = pk.Tiling(block_rows=4, num_warps=8)
 
 
 def _lower_for_cuda(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with pk.trace_for_gpu():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _custom_calls(text: str) -> set[str]:
@@ -194,6 +196,26 @@ def test_training_step_lowers_for_cuda_and_sends_what_the_xla_step_sends(
     assert set(_kernel_names(text)) == kernels
     assert got.records == want.records
     assert got.cross_node_bytes > 0
+
+
+def test_trace_for_gpu_names_an_h100_and_puts_shard_maps_on_it():
+    """jax 0.11 and newer take the target GPU from the abstract mesh: sm_90 under
+    `trace_for_gpu`, as jax 0.10 picks without a GPU; a `shard_map`'s mesh moves onto the
+    same abstract device only there."""
+    from jax.experimental.pallas import triton as pltriton
+
+    mesh = zpp.make_mesh(2, 4)
+    assert pk.shard_map_mesh(mesh) is mesh
+    if not hasattr(pltriton, "get_gpu_info"):
+        with pk.trace_for_gpu():
+            assert pk.shard_map_mesh(mesh) is mesh
+        return  # jax 0.10 lowers for sm_90 itself where there is no GPU: nothing to move
+    with pk.trace_for_gpu():
+        assert pltriton.get_gpu_info().compute_capability == 90
+        on_gpu = pk.shard_map_mesh(mesh)
+    assert on_gpu.abstract_device.device_kind == pk.ABSTRACT_GPU_KIND
+    assert on_gpu.shape_tuple == mesh.abstract_mesh.shape_tuple
+    assert on_gpu.axis_types == mesh.abstract_mesh.axis_types
 
 
 def test_compiled_kernels_refuse_block_sizes_that_are_not_powers_of_two():

@@ -12,6 +12,7 @@ its single-device meaning.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ from flax import struct
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 
-from zeropp_jax import jaxpr_compat, optimizer_view, state_init, tensor_parallel
+from zeropp_jax import jaxpr_compat, kernels, optimizer_view, state_init, tensor_parallel
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax.config import ZeroPPConfig
@@ -511,13 +512,16 @@ class ShardedStep:
         """The step's `jax.stages.Lowered`, for the devices of `state.mesh` or for `platforms`.
 
         `platforms=("cuda",)` lowers the same program for NVIDIA GPUs on any machine (the
-        compiled Pallas kernels become Triton calls), e.g. to read its collectives with
+        compiled Pallas kernels become Triton calls, for an NVIDIA H100 where this machine
+        has no GPU: `pallas_kernels.trace_for_gpu`), e.g. to read its collectives with
         `comm_ledger`; the result can be inspected but not compiled or run here.
         """
         fn, batch = self._prepare(state, batch)
         if platforms is None:
             return fn.lower(state, batch)
-        return fn.trace(state, batch).lower(lowering_platforms=tuple(platforms))
+        target = kernels.trace_for_gpu() if "cuda" in platforms else contextlib.nullcontext()
+        with target:
+            return fn.trace(state, batch).lower(lowering_platforms=tuple(platforms))
 
 
 def shard(

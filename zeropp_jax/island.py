@@ -34,6 +34,7 @@ from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax.choices import gather_spec, resolve_codec, rounding_key
 from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax.kernels import shard_map_mesh
 from zeropp_jax.mesh import data_parallel_size
 from zeropp_jax.quant import XLA_CODEC
 
@@ -199,7 +200,7 @@ def make_island_apply(
 
         island = jax.shard_map(
             body,
-            mesh=mesh,
+            mesh=shard_map_mesh(mesh),
             in_specs=(
                 param_specs,
                 [part.REFERENCE_SPEC] * len(refs),

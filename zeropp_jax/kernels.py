@@ -2,7 +2,9 @@
 
 `pallas_kernels` is a leaf package (it imports nothing from `zeropp_jax`); this module is
 where the two meet. The engine picks the codec from `ZeroPPConfig.kernels`
-(`'pallas'` compiled, `'pallas_interpret'` interpreted).
+(`'pallas'` compiled, `'pallas_interpret'` interpreted), and lowers the compiled kernels
+for a GPU on a machine without one with `trace_for_gpu` and `shard_map_mesh` (the mesh of
+every `shard_map` whose body calls them).
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from __future__ import annotations
 import functools
 
 import pallas_kernels
+from pallas_kernels import shard_map_mesh, trace_for_gpu
 from zeropp_jax.quant import Codec
+
+__all__ = ["pallas_codec", "shard_map_mesh", "trace_for_gpu"]
 
 
 def pallas_codec(*, interpret: bool) -> Codec:

@@ -20,6 +20,7 @@ from zeropp_jax import delta
 from zeropp_jax import partition as part
 from zeropp_jax.choices import resolve_codec
 from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax.kernels import shard_map_mesh
 
 
 def _reference_map(
@@ -40,7 +41,7 @@ def _reference_map(
         in_specs.append([part.REFERENCE_SPEC] * len(idx))
     island = jax.shard_map(
         body,
-        mesh=mesh,
+        mesh=shard_map_mesh(mesh),
         in_specs=tuple(in_specs),
         out_specs=[part.REFERENCE_SPEC] * len(idx),
         # A gather over `node` is node-invariant, which the varying-axes check cannot see.
