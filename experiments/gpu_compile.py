@@ -7,8 +7,10 @@ machine and reads what the GPU would run.
     ... python experiments/gpu_compile.py --rows "ZeRO++/gpt/2x8/docs" --no-kernels --merge
                                              # one row, added to the table's other rows
 
-Needs the CUDA plugin (`pip install "jax-cuda12-plugin[with-cuda]==0.10.2"
-"jax-cuda12-pjrt==0.10.2"`, about 5.5 GB) but no GPU and no driver: XLA's GPU compiler
+Needs the CUDA plugin of the installed jaxlib (`pip install
+"jax-cuda12-plugin[with-cuda]==<jaxlib's version>" "jax-cuda12-pjrt==<the same>"`: 0.12.0.1
+on Python >= 3.12, the `gpu-compile` extra, about 5 GB installed; 0.10.2 on Python 3.11)
+but no GPU and no driver: XLA's GPU compiler
 builds the program for a target described in `experiments/gpu_targets/<gpu>.txtpb` (a
 `GpuTargetConfigProto` in text form) on a topology of `nodes x 1 x GPUs per node`
 (deviceless ahead-of-time compilation: `jax.experimental.topologies`).
@@ -43,7 +45,8 @@ to overlap, which collectives it runs and in which width, and how much memory XL
 per GPU. It does not say how long anything takes; nothing here is turned into a time.
 
 Writes `gpu_compile.{csv,md}` (and with `--flags-study` `gpu_flags.{csv,md}`) into
-`--out` (default `experiments/results`).
+`--out` (default `experiments/results`). Each row names the jax and plugin that compiled
+it (`jax` column); `--merge` keeps the rows of other jax versions beside this run's.
 """
 
 from __future__ import annotations
@@ -67,18 +70,18 @@ from gpu_program import (  # noqa: E402
     ENGINES,
     FLAG_SETS,
     HEAD,
+    KEY,
     MESHES,
     MODELS,
     SLUGS,
     Precompiled,
+    goals,
     merged,
     minimal_hlo,
     read_program,
     read_rows,
-    report,
     same_bytes,
     with_in_flight,
-    write_kernels,
 )
 
 TARGETS = pathlib.Path(__file__).resolve().parent / "gpu_targets"
@@ -97,6 +100,18 @@ DOC_FLAGS: dict[str, Any] = {
 options (the `XLA_FLAGS` names without the dashes): the `docs` flag set of the table. The
 docs recommend those that change the compiled step and list the others as not needed.
 None: one layer's weights in bytes, per model."""
+
+RENAMED: dict[str, tuple[str, str]] = {
+    "xla_gpu_enable_pipelined_all_gather": ("xla_gpu_pipeline_all_gather", "ON"),
+    "xla_gpu_enable_pipelined_reduce_scatter": ("xla_gpu_pipeline_reduce_scatter", "ON"),
+    "xla_gpu_enable_pipelined_all_reduce": ("xla_gpu_pipeline_all_reduce", "ON"),
+}
+"""Options of `DOC_FLAGS` that newer jaxlibs replaced (jaxlib 0.12.0.1 has no
+`xla_gpu_enable_pipelined_*`; its `xla_gpu_pipeline_*` take the enum
+`CollectivePipeliningMode`: DEFAULT follows the optimization effort, OFF, ON considers
+every structurally eligible collective, EXPLICIT only those marked pipelineable).
+`compile_for` passes the new name, `True` as `COLLECTIVE_PIPELINING_MODE_ON` and `False`
+as `..._OFF`, where the installed jaxlib refuses the old one."""
 
 
 def target_config(gpu: str) -> str:
@@ -119,10 +134,52 @@ def gpu_devices(gpu: str, nodes: int, local: int) -> list:
     except Exception as e:  # the plugin is missing or refuses the config
         raise SystemExit(
             f"gpu_compile: cannot describe a CUDA topology ({type(e).__name__}: {e}); install "
-            '"jax-cuda12-plugin[with-cuda]==0.10.2" "jax-cuda12-pjrt==0.10.2" and set '
+            f"{plugin_pins()} (the installed jaxlib's version) and set "
             "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1."
         ) from None
     return list(topology.devices)
+
+
+def plugin_pins() -> str:
+    """The pip requirements of the CUDA plugin matching the installed jaxlib."""
+    from importlib.metadata import version
+
+    v = version("jaxlib")
+    return f'"jax-cuda12-plugin[with-cuda]=={v}" "jax-cuda12-pjrt=={v}"'
+
+
+def jax_text() -> str:
+    """The `jax` column: the jax and CUDA plugin versions that compile the rows."""
+    from importlib.metadata import version
+
+    import jax
+
+    return f"{jax.__version__}, plugin {version('jax-cuda12-plugin')}"
+
+
+def renamed(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with the names of `RENAMED` replaced (newer jaxlibs)."""
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in RENAMED:
+            name, mode = RENAMED[name]
+            value = f"COLLECTIVE_PIPELINING_MODE_{mode if value else 'OFF'}"
+        out[name] = value
+    return out
+
+
+def compile_for(lowered: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """`lowered.compile(compiler_options=options)`, with the new names of `RENAMED` where
+    this jaxlib has no such option (it refuses them before compiling anything); returns
+    the compiled step and the options it took."""
+    try:
+        return lowered.compile(compiler_options=options), options
+    except Exception as e:
+        missing = re.search(r"No such compile option: '(\w+)'", str(e))
+        if missing is None or missing.group(1) not in RENAMED:
+            raise
+    options = renamed(options)
+    return lowered.compile(compiler_options=options), options
 
 
 def gpu_mesh(gpu: str, nodes: int, local: int):
@@ -259,7 +316,7 @@ def measure(
 
     t = time.perf_counter()
     lowered = step.fn.lower(step.state, step.batch)
-    compiled = lowered.compile(compiler_options=compiler_options(flags, step.layer_bytes))
+    compiled, _ = compile_for(lowered, compiler_options(flags, step.layer_bytes))
     seconds = time.perf_counter() - t
     if save_hlo is not None:
         save_hlo.mkdir(parents=True, exist_ok=True)
@@ -352,13 +409,17 @@ def kernel_rows(gpu: str) -> list[dict[str, Any]]:
     rows = []
     for name, (fn, args) in cases.items():
         t = time.perf_counter()
-        compiled = jax.jit(fn).lower(*args).compile()
+        # Pallas' Triton lowering reads the target GPU off the abstract mesh where there is
+        # no GPU device (jax 0.12; 0.10.2 read it off the arguments' devices)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            compiled = jax.jit(fn).lower(*args).compile()
         text = compiled.as_text()
         calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
         rows.append(
             {
                 "kernel": name,
                 "gpu": gpu,
+                "jax": jax_text(),
                 "custom_calls": " ".join(calls),
                 "temp_mb": round(compiled.memory_analysis().temp_size_in_bytes / 1e6, 3),
                 "compile_s": round(time.perf_counter() - t, 1),
@@ -402,7 +463,7 @@ def flags_study(gpu: str) -> list[dict[str, Any]]:
     for flag in [*options, "(all of them)"]:
         opts = options if flag == "(all of them)" else {flag: options[flag]}
         try:
-            compiled = lowered.compile(compiler_options=opts)
+            compiled, opts = compile_for(lowered, opts)
         except Exception as e:
             rows.append(
                 {
@@ -413,10 +474,10 @@ def flags_study(gpu: str) -> list[dict[str, Any]]:
                 }  # fmt: skip
             )
         else:
-            value = opts if flag == "(all of them)" else opts[flag]
+            name, value = (flag, opts) if flag == "(all of them)" else next(iter(opts.items()))
             rows.append(
                 {
-                    "flag": flag if flag == "(all of them)" else f"{flag}={value}",
+                    "flag": name if flag == "(all of them)" else f"{name}={value}",
                     "accepted": True,
                     "schedule_changed": signature(compiled) != base_sig,
                     "gathers": overlap(compiled),
@@ -425,6 +486,93 @@ def flags_study(gpu: str) -> list[dict[str, Any]]:
         print(rows[-1], flush=True)
         gc.collect()
     return rows
+
+
+# ------------------------------------------------------------------------ the table
+
+OLD_JAX = "0.10.2, plugin 0.10.2"
+"""The `jax` of the rows written before the column existed (all compiled on jax 0.10.2
+with jax-cuda12-plugin 0.10.2, Python 3.11)."""
+
+
+def with_jax(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with a `jax` column after `gpu` (`OLD_JAX` where it has none)."""
+    if row.get("jax"):
+        return row
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if k != "jax":
+            out[k] = v
+        if k == "gpu":
+            out["jax"] = OLD_JAX
+    out.setdefault("jax", OLD_JAX)
+    return out
+
+
+def merged_by_jax(old: list[dict], new: list[dict]) -> list[dict]:
+    """`gpu_program.merged` within each jax version (a row replaces the row of its key
+    and jax), the versions side by side: each key's rows together, oldest jax first."""
+    old, new = [with_jax(r) for r in old], [with_jax(r) for r in new]
+    versions = list(dict.fromkeys(r["jax"] for r in old + new))
+    rows = [
+        with_jax(r)
+        for v in versions
+        for r in merged([r for r in old if r["jax"] == v], [r for r in new if r["jax"] == v])
+    ]
+    keys = {tuple(str(r[k]) for k in KEY): i for i, r in enumerate(merged(rows, []))}
+    rows.sort(key=lambda r: (keys[tuple(str(r[k]) for k in KEY)], versions.index(r["jax"])))
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    return [{k: r.get(k, "") for k in columns} for r in rows]
+
+
+def write_kernels(path: pathlib.Path, new: list[dict[str, Any]]) -> None:
+    """The kernel rows of `path` for the other GPUs and jax versions, then `new`."""
+    new = [with_jax(r) for r in new]
+    mine = {(r["gpu"], r["jax"]) for r in new}
+    old = [with_jax(r) for r in read_rows(path)] if path.exists() else []
+    rows = [r for r in old if (r["gpu"], r["jax"]) not in mine] + new
+    _common.write_csv(path, sorted(rows, key=lambda r: (r["gpu"] != "h200", r["gpu"])))
+
+
+def report(head: str, rows: list[dict], kernels: list[dict]) -> str:
+    """The markdown: the table (without the long columns), the kernels, the goals per jax
+    version, then each gather that has no compute between its start and its done."""
+    where = [*KEY, "jax"]
+    short = [k for k in rows[0] if k not in ("not_overlapped", "gather_mb")]
+    text = head + _common.markdown_table(short, [[r[k] for k in short] for r in rows])
+    text += "\nGather operand bytes per GPU by dtype (MB, each instruction once):\n\n"
+    text += _common.markdown_table(
+        [*where, "gather_mb"], [[*(r[k] for k in where), r["gather_mb"]] for r in rows]
+    )
+    if kernels:
+        kernels = [with_jax(k) for k in kernels]
+        text += "\n## The Pallas kernels alone, compiled for one GPU\n\n"
+        text += _common.markdown_table(list(kernels[0]), [list(r.values()) for r in kernels])
+    text += "\n## The goals, read off the rows above\n"
+    for v in dict.fromkeys(r["jax"] for r in rows):
+        text += f"\nRows compiled with jax {v}:\n\n" + goals([r for r in rows if r["jax"] == v])
+    text += "\n## Gathers with no compute between their start and their done\n\n"
+    text += (
+        "What holds each back (a leaf outside the scanned blocks, gathered at its use; one\n"
+        "collective in flight at a time, `max_in_flight`): `experiments/RESULTS.md`, section\n"
+        '"GPU programs compiled without a GPU". jaxlib 0.12 writes a synchronous gather as\n'
+        "one `all-gather` instruction, 0.10.2 as an `all-gather-start` marked `is_sync`.\n\n"
+    )
+    for r in rows:
+        if r["not_overlapped"]:
+            text += f"- {', '.join(str(r[k]) for k in where)}: {r['not_overlapped']}\n"
+    return text
+
+
+JAX_NOTE = """The `jax` column names the jax and CUDA plugin that compiled each row; rows of
+several versions stand side by side (`--merge` replaces a row of the same key and jax
+only). The rows of jax 0.10.2 were compiled before stored layout 3 (their `code`);
+those of jax 0.12.0.1 at the commit their `code` names, on Python 3.13. On jaxlib
+0.12.0.1 the `docs` flag set passes the three `xla_gpu_enable_pipelined_*` options,
+which it no longer has, as `xla_gpu_pipeline_*=COLLECTIVE_PIPELINING_MODE_ON`
+(`RENAMED`); the other four under their names.
+
+"""
 
 
 # ----------------------------------------------------------------------------- main
@@ -492,9 +640,12 @@ def main(argv: list[str] | None = None) -> None:
     warnings.simplefilter("ignore")  # the engine's per-leaf notes; the rows say what ran
     from importlib.metadata import version
 
-    head = HEAD.format(
-        plugin=version("jax-cuda12-plugin"),
-        machine=_common.machine_line(),
+    head = (
+        HEAD.format(
+            plugin=f"{version('jax-cuda12-plugin')} for this run's rows, see `jax`",
+            machine=_common.machine_line(),
+        )
+        + JAX_NOTE
     )
     if args.flags_study:
         rows = flags_study(args.gpu)
@@ -506,7 +657,7 @@ def main(argv: list[str] | None = None) -> None:
     old = read_rows(csv_path) if args.merge and csv_path.exists() else []
 
     def write(rows: list[dict]) -> None:
-        rows = merged(old, rows)
+        rows = merged_by_jax(old, rows)
         _common.write_csv(csv_path, rows)
         kernels = read_rows(kernels_path) if kernels_path.exists() else []
         _common.write_text(args.out / f"{args.name}.md", report(head, rows, kernels))
@@ -543,6 +694,7 @@ def main(argv: list[str] | None = None) -> None:
         for flags in flag_sets:
             row = {"engine": engine, "model": model, "mesh": mesh_text, "flags": flags}
             row["gpu"] = args.gpu
+            row["jax"] = jax_text()
             name = "_".join((SLUGS[engine], model, mesh_text, flags, args.gpu))
             row.update(measure(step, mesh, flags, args.save_hlo, name))
             row["code"] = code

@@ -9,8 +9,10 @@ Two kinds of tests:
   `gpu_program.minimal_hlo`) and on a hand-written scheduled module: what
   `hlo_text.scheduled_collectives` reads, and that the saved programs keep what the
   results table claims. These run everywhere.
-* compiling for the GPU, which needs the CUDA plugin (`jax-cuda12-plugin[with-cuda]`,
-  not installed by `.ci/run`): skipped where it is missing.
+* compiling for the GPU, which needs the CUDA plugin of the installed jaxlib (the
+  `gpu-compile` extra: 0.12.0.1 on Python >= 3.12, 0.10.2 on 3.11; not installed by
+  `.ci/run`, installed by `.ci/gpu_compile_test`): skipped where it is missing. One
+  compiles the trainer's scanned GPT's ZeRO++ step for 2 x 4 H200s, one a Pallas kernel.
 """
 
 import argparse
@@ -38,7 +40,9 @@ HAS_PLUGIN = importlib.util.find_spec("jax_plugins") is not None and (
     importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 )
 needs_plugin = pytest.mark.skipif(
-    not HAS_PLUGIN, reason='needs "jax-cuda12-plugin[with-cuda]==0.10.2" (not in .ci/run)'
+    not HAS_PLUGIN,
+    reason="needs the CUDA plugin of the installed jaxlib (pip install -e '.[gpu-compile]'; "
+    ".ci/gpu_compile_test), not installed by .ci/run",
 )
 
 SCHEDULED = """\
@@ -267,22 +271,80 @@ def test_kernels_compile_for_sm90():
     assert mesh.devices.flat[0].compute_capability == "9.0"
     one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=one)
-    compiled = jax.jit(lambda x: pk.quantize_blocks(x, bits=8)).lower(x).compile()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the target, for Triton
+        compiled = jax.jit(lambda x: pk.quantize_blocks(x, bits=8)).lower(x).compile()
     assert '"__gpu$xla.gpu.triton"' in compiled.as_text()
 
 
 @needs_plugin
 def test_zeropp_step_compiles_with_asynchronous_8_bit_gathers():
-    """The trainer GPT's ZeRO++ step, compiled here, keeps what the saved program shows.
-    (At width 32 on 2 x 2 GPUs one backward-loop gather is synchronous: too little compute
-    to put beside it.)"""
+    """The trainer's scanned GPT's ZeRO++ step, compiled here for 2 x 4 H200s with the
+    docs' flags (under the names this jaxlib takes), keeps what the saved program shows:
+    both scanned loops, every gather in them asynchronous, every gather 8-bit, the 4-bit
+    gradient hop across nodes. (At width 32 on 2 x 2 GPUs one backward-loop gather is
+    synchronous: too little compute to put beside it.)"""
     mesh = gpu_compile.gpu_mesh("h200", 2, 4)
     step = gpu_compile.build_step("ZeRO++", "gpt", mesh)
     lowered = step.fn.lower(step.state, step.batch)
     options = gpu_compile.compiler_options("docs", step.layer_bytes)
-    compiled = lowered.compile(compiler_options=options)
+    compiled, _ = gpu_compile.compile_for(lowered, options)
     module = hlo_text.parse_hlo_module(compiled.as_text())
-    gathers = [c for c in hlo_text.scheduled_collectives(module) if c.op == "all-gather"]
+    assert len(hlo_text.loop_bodies(module)) == 2  # the forward and the backward loop
+    collectives = hlo_text.scheduled_collectives(module)
+    gathers = [c for c in collectives if c.op == "all-gather"]
     in_loops = [g for g in gathers if g.computation in hlo_text.loop_bodies(module)]
     assert in_loops and all(g.asynchronous for g in in_loops)
     assert all("int8" in g.dtypes for g in gathers)
+    program = gpu_program.read_program(compiled, mesh)
+    assert "all-to-all/node: float32,uint8" in program["wire_dtypes"]
+
+
+class _Lowered:
+    """Stands in for `jax.stages.Lowered`: refuses options named in `refused`."""
+
+    def __init__(self, refused: set[str]) -> None:
+        self.refused, self.calls = refused, []
+
+    def compile(self, compiler_options):
+        self.calls.append(dict(compiler_options))
+        for name in compiler_options:
+            if name in self.refused:
+                raise RuntimeError(f"INVALID_ARGUMENT: No such compile option: '{name}'")
+        return "compiled"
+
+
+def test_compile_for_passes_the_renamed_pipelining_options_where_the_old_are_gone():
+    options = gpu_compile.compiler_options("docs", 1000)
+    old = _Lowered(refused=set())  # jaxlib 0.10.2: the docs' names
+    assert gpu_compile.compile_for(old, options) == ("compiled", options)
+    new = _Lowered(refused=set(gpu_compile.RENAMED))  # jaxlib 0.12.0.1
+    compiled, used = gpu_compile.compile_for(new, options)
+    assert compiled == "compiled" and len(new.calls) == 2
+    assert used["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON"
+    assert not set(gpu_compile.RENAMED) & set(used)
+    assert used["xla_gpu_all_gather_combine_threshold_bytes"] == 1000
+    assert gpu_compile.renamed({"xla_gpu_enable_pipelined_all_reduce": False}) == {
+        "xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_OFF"
+    }
+    other = _Lowered(refused={"xla_gpu_enable_latency_hiding_scheduler"})
+    with pytest.raises(RuntimeError, match="latency_hiding"):  # not a rename: raised
+        gpu_compile.compile_for(other, options)
+
+
+def test_rows_of_another_jax_stay_beside_the_new_ones():
+    """`--merge` replaces a row of the same key and jax only: the rows of jax 0.10.2
+    (written before the `jax` column) stay, each key's rows together, oldest first."""
+    row = {"engine": "ZeRO++", "model": "gpt", "mesh": "2x4", "flags": "docs", "gpu": "h200"}
+    fsdp = {**row, "engine": "XLA FSDP"}
+    old = [{**fsdp, "gathers": "11", "code": "a"}, {**row, "gathers": "18", "code": "a"}]
+    new_jax = "0.12.0.1, plugin 0.12.0.1"
+    new = [{**row, "jax": new_jax, "gathers": "17", "code": "b"}]
+    got = gpu_compile.merged_by_jax(old, new)
+    assert [(r["engine"], r["jax"], r["gathers"]) for r in got] == [
+        ("ZeRO++", gpu_compile.OLD_JAX, "18"),
+        ("ZeRO++", new_jax, "17"),
+        ("XLA FSDP", gpu_compile.OLD_JAX, "11"),
+    ]
+    assert list(got[0])[:6] == [*gpu_program.KEY, "jax"]
+    again = gpu_compile.merged_by_jax(got, [{**new[0], "gathers": "16"}])
+    assert [r["gathers"] for r in again] == ["18", "16", "11"]
