@@ -5,7 +5,8 @@ the sum of a model's output, and the quantizers' bounds on what it sees and redu
 (tests/test_layered_scan.py, tests/test_params_pytrees.py); the trainer GPT's abstract
 state (tests/test_plan.py, tests/test_memory.py); running a function on each device's
 slice, random shards and the quantizer's steps (tests/test_collectives.py,
-tests/test_reductions.py, tests/test_reliability.py)."""
+tests/test_reductions.py, tests/test_reliability.py); one-device gradients in the
+stored layout (tests/test_optimizer_shapes.py, tests/test_distributed_muon.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
+from zeropp_jax import partition as part
 from zeropp_jax.quant import qmax
 from zeropp_jax.train.model import GPT, GPTConfig, init_fn
 
@@ -158,3 +160,18 @@ def block_steps(shard, bits, block_size):
     b = np.pad(flat, (0, pad)).reshape(-1, block_size)
     steps = np.abs(b).max(axis=1, keepdims=True) / qmax(bits) * SCALE_ROUNDING
     return np.broadcast_to(steps, b.shape).reshape(-1)[: flat.size].reshape(np.shape(shard))
+
+
+def stored_grads(grads, state):
+    """One-device gradients (model shapes) -> the stored layout the step hands
+    `apply_gradients`, sharded like the parameters."""
+    leaves = jax.tree_util.tree_leaves(grads)
+    return jax.tree_util.tree_unflatten(
+        state.layouts[0],
+        [
+            jax.device_put(part.to_master(g, lo), p.sharding)
+            for g, lo, p in zip(
+                leaves, state.layouts[1], jax.tree_util.tree_leaves(state.params), strict=True
+            )
+        ],
+    )

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _support import regression_batches, train_step
+from _support import regression_batches, stored_grads, train_step
 from flax.core import meta
 from flax.training import train_state
 from optax.contrib import MuonDimensionNumbers
@@ -91,21 +91,6 @@ MODELS = {  # name: (model, mesh (node, local, model))
 def loss_fn(params, apply_fn, batch):
     out = apply_fn({"params": params}, batch["x"])
     return jnp.mean((out - batch["y"]) ** 2)
-
-
-def stored_grads(grads, state):
-    """One-device gradients (model shapes) -> the stored layout the step hands
-    `apply_gradients`, sharded like the parameters."""
-    leaves = jax.tree_util.tree_leaves(grads)
-    return jax.tree_util.tree_unflatten(
-        state.layouts[0],
-        [
-            jax.device_put(part.to_master(g, lo), p.sharding)
-            for g, lo, p in zip(
-                leaves, state.layouts[1], jax.tree_util.tree_leaves(state.params), strict=True
-            )
-        ],
-    )
 
 
 def apply(state, grads):

@@ -6,6 +6,7 @@ quantized two-hop gradient reduction (qgZ) over a `('node', 'local')` device mes
 
 from zeropp_jax.checkpoint import restore_checkpoint, save_checkpoint
 from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax.distributed_muon import muon
 from zeropp_jax.engine import ShardedStep, TrainState, gather_params, shard
 from zeropp_jax.ledger import CommLedger, comm_ledger
 from zeropp_jax.mesh import make_mesh
@@ -25,6 +26,7 @@ __all__ = [
     "dequantize_blockwise",
     "gather_params",
     "make_mesh",
+    "muon",
     "quantize_blockwise",
     "restore_checkpoint",
     "save_checkpoint",

@@ -1,0 +1,181 @@
+"""`zeropp_jax.distributed_muon`: optax's Muon with each matrix gathered once for Newton-Schulz.
+
+Every format against the same `muon` on one device (the format's rounding is part of the
+optimizer, so a sharded update equals it to float summation order), float32 against
+`optax.contrib.muon` exactly, and the compiled update's collectives: one all-gather per
+matrix, in the format's dtype."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _support import regression_batches, stored_grads
+from flax.training import train_state
+from optax.contrib import MuonDimensionNumbers
+
+import zeropp_jax as zpp
+from zeropp_jax import distributed_muon as muon_lib
+from zeropp_jax.quant import qmax
+
+EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
+
+
+class Net(nn.Module):
+    """Dense(60) and two `nn.scan` blocks of Dense(60) (stacked kernels), Dense(10): every
+    width leaves padding on 8 devices."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(60)(x))
+
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, h, _):
+                return jnp.tanh(nn.Dense(60)(h)), None
+
+        h, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)()(
+            h, None
+        )
+        return nn.Dense(10)(h)
+
+
+def dims(params):
+    """Newton-Schulz on each kernel (a stacked one per layer), AdamW on the biases."""
+    by_rank = {2: MuonDimensionNumbers(0, 1), 3: MuonDimensionNumbers(1, 2)}
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: by_rank[p.ndim] if path[-1].key == "kernel" else None, params
+    )
+
+
+def loss_fn(params, apply_fn, batch):
+    return jnp.mean((apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    data = regression_batches(3, 64, 10)
+    params = Net().init(jax.random.key(1), data[0]["x"])["params"]
+    grad_fn = jax.jit(jax.grad(loss_fn), static_argnums=1)
+    return data, params, grad_fn
+
+
+def one_device(tx, params, data, grad_fn):
+    state = train_state.TrainState.create(apply_fn=Net().apply, params=params, tx=tx)
+    step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+    grads = []
+    for b in data:
+        grads.append(grad_fn(state.params, Net().apply, b))
+        state = step(state, grads[-1])
+    return state, grads
+
+
+def test_float32_is_optax_muon_exactly(setup):
+    data, params, grad_fn = setup
+    kw = dict(weight_decay=0.1, muon_weight_dimension_numbers=dims, adam_b2=0.95)
+    ours, _ = one_device(zpp.muon(1e-2, gather_format="float32", **kw), params, data, grad_fn)
+    theirs, _ = one_device(optax.contrib.muon(1e-2, **kw), params, data, grad_fn)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("fmt", muon_lib.GATHER_FORMATS)
+def test_sharded_update_matches_one_device(setup, fmt):
+    """Three updates from the same one-device gradients, on 2 x 4: the engine's update
+    (model-shaped views, each matrix gathered once) against the same `muon` on one
+    device."""
+    data, params, grad_fn = setup
+    tx = zpp.muon(1e-2, muon_weight_dimension_numbers=dims, gather_format=fmt)
+    ref, grads = one_device(tx, params, data, grad_fn)
+    state = zpp.TrainState.create(
+        apply_fn=Net().apply,
+        params=params,
+        tx=tx,
+        mesh=zpp.make_mesh(2, 4),
+        config=zpp.ZeroPPConfig(**EXACT),
+    )
+    step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+    for g in grads:
+        state = step(state, stored_grads(g, state))
+    for (path, got), want in zip(
+        jax.tree_util.tree_leaves_with_path(zpp.gather_params(state)),
+        jax.tree.leaves(ref.params),
+        strict=True,
+    ):
+        err = float(jnp.max(jnp.abs(got - want))) / float(jnp.max(jnp.abs(want)))
+        assert err <= 1e-6, f"{fmt} {jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+def test_gather_rounds_as_the_format_says(fmt):
+    x = jax.random.normal(jax.random.key(0), (3, 37, 300), jnp.float32)
+    got = muon_lib.gather_whole(x, fmt)
+    assert got.shape == x.shape and got.dtype == jnp.float32
+    if fmt == "bfloat16":
+        np.testing.assert_array_equal(
+            np.asarray(got), np.asarray(x.astype(jnp.bfloat16), np.float32)
+        )
+        return
+    # Round to nearest: at most half a step per value, a step being its block's absmax / 127
+    # (blocks of INT8_BLOCK values along the last axis; the last one is shorter).
+    b = muon_lib.INT8_BLOCK
+    xs = np.asarray(x)
+    for lo in range(0, xs.shape[-1], b):
+        part = xs[..., lo : lo + b]
+        step = np.abs(part).max(axis=-1, keepdims=True) / qmax(8)
+        err = np.abs(np.asarray(got)[..., lo : lo + b] - part)
+        assert np.all(err <= 0.5 * step * (1 + 2**-7)), float((err / step).max())
+
+
+def test_one_gather_per_matrix_in_the_formats_dtype(setup):
+    """The compiled update on 2 x 4: optax's Muon gathers at every Newton-Schulz product;
+    ours sends one all-gather per matrix in the format's dtype (bfloat16 as uint16 bits;
+    int8 values and their float32 scales), and nothing else but AdamW's scalars."""
+    data, params, grad_fn = setup
+    mesh = zpp.make_mesh(2, 4)
+    kernels = [
+        p for path, p in jax.tree_util.tree_leaves_with_path(params) if path[-1].key == "kernel"
+    ]
+    update = {}
+    for name, tx in {
+        "optax": optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims),
+        "bfloat16": zpp.muon(1e-2, muon_weight_dimension_numbers=dims),
+        "int8": zpp.muon(1e-2, muon_weight_dimension_numbers=dims, gather_format="int8"),
+    }.items():
+        state = zpp.TrainState.create(
+            apply_fn=Net().apply, params=params, tx=tx, mesh=mesh, config=zpp.ZeroPPConfig(**EXACT)
+        )
+        grads = jax.tree.map(jnp.zeros_like, state.params)
+        step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+        led = zpp.comm_ledger(step, state, grads, compiled=True)
+        update[name] = [r for r in led.records if r.phase == "update" and r.out_bytes > 64]
+    gathers = [r for r in update["bfloat16"] if r.op == "all-gather"]
+    assert len(gathers) == len(kernels) and {r.dtype for r in gathers} == {"uint16"}
+    # XLA gathers the view's rows padded to a multiple of the 8 devices (rows: axis 0, a
+    # stacked kernel's axis 1).
+    padded = [k.size // k.shape[k.ndim - 2] * -(-k.shape[k.ndim - 2] // 8) * 8 for k in kernels]
+    assert sum(r.out_bytes for r in gathers) == 2 * sum(padded)
+    assert all(r.op == "all-gather" for r in update["bfloat16"]), update["bfloat16"]
+    int8 = [r for r in update["int8"] if r.op == "all-gather"]
+    assert {r.dtype for r in int8} == {"int8", "float32"}
+    assert sum(r.out_bytes for r in int8 if r.dtype == "int8") == sum(
+        padded_int8(k) for k in kernels
+    )
+    sent = {k: sum(r.bytes_sent * r.trip_count for r in v) for k, v in update.items()}
+    assert sent["int8"] < sent["bfloat16"] < sent["optax"] / 5, sent
+
+
+def padded_int8(kernel) -> int:
+    """int8 bytes of a kernel's gather: rows padded to a multiple of 8 devices, each row's
+    values to a whole `INT8_BLOCK`."""
+    rows = kernel.shape[kernel.ndim - 2]
+    lead = kernel.size // (rows * kernel.shape[-1])
+    block = min(muon_lib.INT8_BLOCK, kernel.shape[-1])
+    cols = -(-kernel.shape[-1] // block) * block
+    return lead * -(-rows // 8) * 8 * cols
+
+
+def test_unknown_format_is_refused():
+    with pytest.raises(ValueError, match="gather_format='fp16'.*expected one of"):
+        zpp.muon(1e-3, gather_format="fp16")
