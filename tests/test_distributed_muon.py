@@ -2,8 +2,8 @@
 
 Every format against the same `muon` on one device (the format's rounding is part of the
 optimizer, so a sharded update equals it to float summation order), float32 against
-`optax.contrib.muon` exactly, and the compiled update's collectives: one all-gather per
-matrix, in the format's dtype."""
+`optax.contrib.muon` exactly, and the compiled update's collectives: each matrix gathered
+once, in the format's dtype, across nodes first."""
 
 import flax.linen as nn
 import jax
@@ -128,16 +128,17 @@ def test_gather_rounds_as_the_format_says(fmt):
         assert np.all(err <= 0.5 * step * (1 + 2**-7)), float((err / step).max())
 
 
-def test_one_gather_per_matrix_in_the_formats_dtype(setup):
+def test_each_matrix_gathered_once_across_nodes_first(setup):
     """The compiled update on 2 x 4: optax's Muon gathers at every Newton-Schulz product;
-    ours sends one all-gather per matrix in the format's dtype (bfloat16 as uint16 bits;
-    int8 values and their float32 scales), and nothing else but AdamW's scalars."""
+    ours gathers each matrix once in the format's dtype (bfloat16 as uint16 bits; int8
+    values and their float32 scales), across nodes first and then inside each node, so
+    that each node link carries half of the matrix (the other node's half), once."""
     data, params, grad_fn = setup
     mesh = zpp.make_mesh(2, 4)
     kernels = [
         p for path, p in jax.tree_util.tree_leaves_with_path(params) if path[-1].key == "kernel"
     ]
-    update = {}
+    update, link = {}, {}
     for name, tx in {
         "optax": optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims),
         "bfloat16": zpp.muon(1e-2, muon_weight_dimension_numbers=dims),
@@ -150,20 +151,23 @@ def test_one_gather_per_matrix_in_the_formats_dtype(setup):
         step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
         led = zpp.comm_ledger(step, state, grads, compiled=True)
         update[name] = [r for r in led.records if r.phase == "update" and r.out_bytes > 64]
-    gathers = [r for r in update["bfloat16"] if r.op == "all-gather"]
-    assert len(gathers) == len(kernels) and {r.dtype for r in gathers} == {"uint16"}
+        link[name] = led.link_bytes_by("phase")[("update",)]
+    bf16 = update["bfloat16"]
+    assert all(r.op == "all-gather" and r.dtype == "uint16" for r in bf16), bf16
+    # One gather per matrix and stage: over `node`, then over `local`.
+    assert sorted(r.axes for r in bf16) == [("local",)] * len(kernels) + [("node",)] * len(kernels)
     # XLA gathers the view's rows padded to a multiple of the 8 devices (rows: axis 0, a
-    # stacked kernel's axis 1).
+    # stacked kernel's axis 1): the inner stage ends with every (padded) matrix whole.
     padded = [k.size // k.shape[k.ndim - 2] * -(-k.shape[k.ndim - 2] // 8) * 8 for k in kernels]
-    assert sum(r.out_bytes for r in gathers) == 2 * sum(padded)
-    assert all(r.op == "all-gather" for r in update["bfloat16"]), update["bfloat16"]
+    assert sum(r.out_bytes for r in bf16 if r.axes == ("local",)) == 2 * sum(padded)
+    # Each node link carries the other node's half of every matrix, once, in 16 bits.
+    assert link["bfloat16"] == sum(padded)
     int8 = [r for r in update["int8"] if r.op == "all-gather"]
     assert {r.dtype for r in int8} == {"int8", "float32"}
-    assert sum(r.out_bytes for r in int8 if r.dtype == "int8") == sum(
+    assert sum(r.out_bytes for r in int8 if r.dtype == "int8" and r.axes == ("local",)) == sum(
         padded_int8(k) for k in kernels
     )
-    sent = {k: sum(r.bytes_sent * r.trip_count for r in v) for k, v in update.items()}
-    assert sent["int8"] < sent["bfloat16"] < sent["optax"] / 5, sent
+    assert link["int8"] < link["bfloat16"] < link["optax"] / 5, link
 
 
 def padded_int8(kernel) -> int:

@@ -37,7 +37,7 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax import tensor_parallel
+from zeropp_jax import optimizer_view, tensor_parallel
 from zeropp_jax.mesh import data_parallel_size
 from zeropp_jax.partition import BATCH_SPEC, MODEL_AXIS
 from zeropp_jax.state_init import ShardedInit, check_params, shapes_of
@@ -205,11 +205,15 @@ def xla_fsdp_state(
     check_params(params)
     dtype = jnp.dtype(compute_dtype)
 
+    # Its update's collectives (those XLA inserts for a non-elementwise optimizer) show
+    # in a ledger as the update phase, as the engine's do.
+    scoped_tx = optimizer_view.in_update_scope(tx)
+
     def create() -> train_state.TrainState:
         p = params.fn() if isinstance(params, ShardedInit) else params
         p = tensor_parallel.unbox(p, rules)[0]
         kind = train_state.TrainState if isinstance(p, Mapping) else TreeTrainState
-        return kind.create(apply_fn=_compute_in(apply_fn, dtype), params=p, tx=tx)
+        return kind.create(apply_fn=_compute_in(apply_fn, dtype), params=p, tx=scoped_tx)
 
     shapes = jax.eval_shape(create)
     if embed_size is None:
@@ -284,14 +288,16 @@ def step_ledger(
     mesh: Mesh,
     config: Any,
     partitioned: bool = False,
+    compiled: bool = False,
 ) -> Any:
     """The `CommLedger` of one `train_step` on `batch`, under the engine with `config` (a
     `ZeroPPConfig`), or under XLA's FSDP when `config` is None, for the tables that set
     the engines side by side. Nothing runs and no state is built (the step is lowered from
-    shapes): the engine's step is read as lowered, XLA FSDP's as compiled (its collectives
-    exist only once XLA chose them), or with `partitioned` as XLA's SPMD partitioner
-    leaves it, before XLA:CPU widens its 16-bit collectives (`comm_ledger(...,
-    partitioned=True)`: the wire a GPU compilation sends).
+    shapes): the engine's step is read as lowered (its own collectives), XLA FSDP's as
+    compiled (its collectives exist only once XLA chose them); with `partitioned` either
+    is read as XLA's SPMD partitioner leaves it, before XLA:CPU widens its 16-bit
+    collectives (`comm_ledger(..., partitioned=True)`: the whole step, the wire a GPU
+    compilation sends).
 
     Args:
       train_step: `(state, batch) -> (state, metrics)`.
@@ -303,8 +309,11 @@ def step_ledger(
       tx: an optax `GradientTransformation`.
       mesh: a `('node', 'local')` mesh.
       config: a `ZeroPPConfig`, or None for XLA's FSDP in bfloat16.
-      partitioned: with `config` None, read the partitioner's program rather than the
-        compiled one.
+      partitioned: read the partitioner's program (every collective of the step, the
+        optimizer update's included) rather than the compiled (XLA FSDP) or lowered
+        (engine) one.
+      compiled: with a `config`, read the engine's compiled program (every collective of
+        the step, as XLA:CPU runs it) rather than the lowered one.
 
     Returns:
       The ledger of the step, per device (`CommLedger`).
@@ -330,10 +339,11 @@ def step_ledger(
             compiled=not partitioned,
             partitioned=partitioned,
         )
-    if partitioned:
-        raise ValueError(
-            "step_ledger: partitioned=True reads XLA FSDP's program (config=None); the "
-            "engine's collectives are its own, read as lowered."
-        )
     state = TrainState.abstract(apply_fn=apply_fn, params=params, tx=tx, mesh=mesh, config=config)
-    return comm_ledger(shard(train_step, mesh=mesh, config=config), state, batch)
+    return comm_ledger(
+        shard(train_step, mesh=mesh, config=config),
+        state,
+        batch,
+        partitioned=partitioned,
+        compiled=compiled,
+    )

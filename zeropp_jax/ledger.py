@@ -95,6 +95,9 @@ PHASES = ("forward", "backward", "update")
 XLA inserts there, seen with `compiled=True`; see `zeropp_jax.optimizer_view`)."""
 
 
+PROGRAMS = ("lowered", "partitioned", "compiled")
+"""The values of `CommLedger.program`: which program of the step a ledger was read from."""
+
 PARTS = ("fwd_gather", "bwd_gather", "grad_reduce", "other")
 """The values of `CollectiveRecord.part`."""
 
@@ -204,11 +207,16 @@ class CommLedger:
     Attributes:
       records: one `CollectiveRecord` per collective (per dtype, per call path).
       param_count: number of model parameters, or None when unknown.
+      program: the program the records were read from (one of `PROGRAMS`): `'lowered'`
+        (as JAX wrote it: the collectives XLA inserts, e.g. for an optimizer update on
+        sharded matrices, are not in it), `'partitioned'` (after XLA's SPMD partitioner:
+        every collective, at the width a GPU sends) or `'compiled'` (as XLA:CPU runs it).
       model_bytes: M = `2 * param_count` (model size in 16-bit bytes), or None.
     """
 
     records: tuple[CollectiveRecord, ...]
     param_count: int | None = None
+    program: str = "lowered"
 
     @property
     def model_bytes(self) -> int | None:
@@ -427,11 +435,15 @@ def comm_ledger(
 ) -> CommLedger:
     """Lowers `fn(*args, **kwargs)` and accounts for every collective it runs.
 
-    By default the ledger reads the lowered program, as JAX wrote it. `compiled=True`
-    compiles it and reads XLA's optimised program instead, the one that runs: the same
-    records, plus any collective XLA's SPMD partitioner adds outside `shard_map` (for a
-    `zpp.shard` step, scalar all-reduces of the loss and of the finite-gradient flags)
-    and minus any it removes as dead code.
+    By default the ledger reads the lowered program, as JAX wrote it (fast: nothing is
+    compiled): every collective of a `shard_map` body, but none that XLA's SPMD
+    partitioner adds outside one. For a `zpp.shard` step those are the scalar all-reduces
+    of the loss and of the finite-gradient flags, and the optimizer update's collectives
+    where it is not elementwise: Muon's Newton-Schulz products, Adafactor's factored
+    moments, the tensor-parallel all-reduces. To count the whole step, read
+    `partitioned=True` (every collective at the width a GPU sends) or `compiled=True` (the
+    program XLA:CPU runs, 16-bit collectives widened to float32, dead code removed).
+    `CommLedger.program` says which program a ledger was read from.
 
     Args:
       fn: a jitted callable (has `.lower`), e.g. the result of `zpp.shard` or `jax.jit`.
@@ -572,4 +584,5 @@ def comm_ledger(
                             node_in_bytes=entering,
                         )
                     )
-    return CommLedger(records=tuple(records), param_count=param_count)
+    program = "compiled" if compiled else "partitioned" if partitioned else "lowered"
+    return CommLedger(records=tuple(records), param_count=param_count, program=program)

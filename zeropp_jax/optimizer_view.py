@@ -209,6 +209,19 @@ def init(
     return jax.jit(run, out_shardings=shardings)(master), mirror
 
 
+def in_update_scope(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` whose `update` runs under the named scope `UPDATE_SCOPE`, so that a ledger
+    counts the collectives XLA inserts there as the `update` phase (what the engine does
+    for its own update; `zeropp_jax.baselines.xla_fsdp_state` does it for XLA FSDP's).
+    The computation is `tx`'s: a named scope only names ops."""
+
+    def scoped(updates, state, params=None, **extra_args):
+        with jax.named_scope(UPDATE_SCOPE):
+            return tx.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(tx.init, scoped)
+
+
 def update(
     tx: optax.GradientTransformation,
     grads: Any,

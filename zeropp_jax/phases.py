@@ -19,6 +19,7 @@ from zeropp_jax.hlo_text import (
     CallPath,
     HloModule,
     Location,
+    call_paths,
     known_trip_counts,
     parse_hlo_module,
     scan_trip_count,
@@ -50,11 +51,26 @@ LoopKey = tuple[Location | None, str]
 and compiled programs."""
 
 
+def loop_phase(
+    module: HloModule, paths: dict[str, list[CallPath]], comp: str, loop: Any
+) -> set[str]:
+    """The phases of a `while` in `comp`, from the op names on each call chain down to it
+    (what `comm_ledger` keys a loop by: inside a `shard_map` body op names are relative,
+    so a loop's own name may not show that it serves the backward pass)."""
+    chains = paths.get(comp) or [()]
+    return {phase_of([*path_names(path), loop.op_name]) for path in chains}
+
+
 def compiled_trip_counts(module: HloModule) -> dict[LoopKey, set[int]]:
     """`known_trip_count` of each `while` in compiled HLO, keyed by (source location, phase)."""
     out: dict[LoopKey, set[int]] = collections.defaultdict(set)
+    paths = call_paths(module)
+    where = {
+        ins.name: comp for comp, instructions in module.computations.items() for ins in instructions
+    }
     for ins, count in known_trip_counts(module):
-        out[(module.locations.get(ins.frame), phase_of([ins.op_name]))].add(count)
+        for phase in loop_phase(module, paths, where[ins.name], ins):
+            out[(module.locations.get(ins.frame), phase)].add(count)
     return dict(out)
 
 
@@ -63,10 +79,12 @@ def lowered_trip_counts(lowered: Any) -> dict[LoopKey, set[int]]:
     (source location, phase), for the same loops after partitioning."""
     module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
     out: dict[LoopKey, set[int]] = collections.defaultdict(set)
+    paths = call_paths(module)
     for comp, instructions in module.computations.items():
         for ins in instructions:
             if ins.opcode == "while":
                 count = scan_trip_count(module, ins, comp)
                 if count is not None:
-                    out[(module.locations.get(ins.frame), phase_of([ins.op_name]))].add(count)
+                    for phase in loop_phase(module, paths, comp, ins):
+                        out[(module.locations.get(ins.frame), phase)].add(count)
     return dict(out)

@@ -34,7 +34,14 @@ from typing import Any
 
 from zeropp_jax.provenance import provenance
 from zeropp_jax.train.flag_types import UsageError
-from zeropp_jax.train.flags import PROG, gpt_config, parse_args, zeropp_config
+from zeropp_jax.train.flags import (
+    PROG,
+    gpt_config,
+    muon_note,
+    parse_args,
+    preset_note,
+    zeropp_config,
+)
 from zeropp_jax.train.platform import (
     check_batch,
     configure_host_devices,
@@ -360,6 +367,9 @@ def _train(run: _Run) -> int:
     say = bar.write if run.main else (lambda _msg: None)
     shape = " x ".join(str(n) for n in run.mesh.shape.values())
     unit = run.corpus.unit
+    for note in (preset_note(args), muon_note(args)):
+        if note:
+            say(note)
     say(
         f"{run.param_count / 1e6:.2f}M parameters on a {shape} {tuple(run.mesh.axis_names)} "
         f"mesh of {jax.default_backend()} devices; "
@@ -423,13 +433,7 @@ def _train(run: _Run) -> int:
     if not args.no_ledger:
         ledgers = _ledgers(run, run.eval_set[0])
         ledger_text = ledger_table(ledgers)
-        ledger_m = {
-            name: {
-                "total_M": lg.in_units_of_M(lg.total_bytes),
-                "link_M": lg.in_units_of_M(lg.link_bytes),
-            }
-            for name, lg in ledgers.items()
-        }
+        ledger_m = ledger_summary(ledgers)
     wall = time.time() - run.t0
     per_byte = run.corpus.bytes_per_token
     bpb = data.bits(val_loss) / per_byte if per_byte else None
@@ -481,8 +485,10 @@ XLA_FSDP_WIRE = "XLA FSDP, 16-bit wire"
 
 
 def _ledgers(run: _Run, batch) -> dict[str, Any]:
-    """Ledgers of one step of this config and of plain ZeRO-3 (not run). The engine's own
-    program is read as lowered; XLA FSDP's collectives exist only once XLA compiled it."""
+    """Ledgers of one step of this config and of plain ZeRO-3 (not run), each of the whole
+    step, the optimizer update's collectives included: read from the compiled program
+    (`CommLedger.program`; the engine's own is the one this run compiled), and XLA FSDP's
+    also at its partitioner's width."""
     import zeropp_jax as zpp
     from zeropp_jax.baselines import step_ledger
 
@@ -503,7 +509,11 @@ def _ledgers(run: _Run, batch) -> dict[str, Any]:
     name = "ZeRO-3" if run.config.is_zero3 else "ZeRO++"
     ledgers = {
         name: zpp.comm_ledger(
-            Prelowered(run.lowered_step), batch, mesh=run.mesh, param_count=run.param_count
+            Prelowered(run.lowered_step),
+            batch,
+            mesh=run.mesh,
+            param_count=run.param_count,
+            compiled=True,
         )
     }
     if not run.config.is_zero3:
@@ -517,5 +527,26 @@ def _ledgers(run: _Run, batch) -> dict[str, Any]:
             config=zpp.ZeroPPConfig.zero3(
                 compute_dtype=run.config.compute_dtype, shared_grad=run.config.shared_grad
             ),
+            compiled=True,
         )
     return ledgers
+
+
+def ledger_summary(ledgers: dict[str, Any]) -> dict[str, Any]:
+    """`summary.json`'s `ledger`: per ledger, bytes per step in units of M, per device and
+    through the busiest node link, in all and per phase, and the program they were read
+    from."""
+    from zeropp_jax.ledger import PHASES
+
+    out = {}
+    for name, lg in ledgers.items():
+        link = lg.link_bytes_by("phase")
+        sent = lg.bytes_by("phase")
+        out[name] = {
+            "total_M": lg.in_units_of_M(lg.total_bytes),
+            "link_M": lg.in_units_of_M(lg.link_bytes),
+            "program": lg.program,
+            **{f"{p}_link_M": lg.in_units_of_M(link.get((p,), 0.0)) for p in PHASES},
+            **{f"{p}_total_M": lg.in_units_of_M(sent.get((p,), 0.0)) for p in PHASES},
+        }
+    return out

@@ -15,6 +15,7 @@ import jax
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from zeropp_jax import distributed_muon
 from zeropp_jax.train.flags import OPTIMIZERS
 
 DECAYED = ("kernel", "embedding", "wpe")
@@ -53,7 +54,9 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
 
     adamw: b1 0.9, b2 0.95. adafactor: factored second moments (optax defaults). muon:
     Newton-Schulz on every kernel (per layer when stacked), AdamW (b1 0.9, b2 0.95, no
-    decay) on the rest. lion: b1 0.9, b2 0.99 (take a smaller --lr than for AdamW).
+    decay) on the rest; `--muon-gather optax` is `optax.contrib.muon`, a format is
+    `zeropp_jax.muon` with each matrix gathered once in it. lion: b1 0.9, b2 0.99
+    (take a smaller --lr than for AdamW).
     """
     warmup = min(100, args.steps // 10) if args.warmup is None else args.warmup
     schedule = optax.warmup_cosine_decay_schedule(
@@ -70,14 +73,18 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
     elif name == "adafactor":
         tx = optax.adafactor(schedule, weight_decay_rate=wd, weight_decay_mask=decay_mask)
     elif name == "muon":
-        tx = optax.contrib.muon(
-            schedule,
+        gather = getattr(args, "muon_gather", "optax")
+        options = dict(
             weight_decay=wd,
             weight_decay_mask=decay_mask,
             adam_b1=0.9,
             adam_b2=0.95,
             muon_weight_dimension_numbers=muon_dims,
         )
+        if gather == "optax":
+            tx = optax.contrib.muon(schedule, **options)
+        else:
+            tx = distributed_muon.muon(schedule, **options, gather_format=gather)
     elif name == "lion":
         tx = optax.lion(schedule, b1=0.9, b2=0.99, weight_decay=wd, mask=decay_mask)
     else:

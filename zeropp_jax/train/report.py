@@ -14,20 +14,30 @@ from zeropp_jax.train.platform import check_batch, make_mesh
 def ledger_table(ledgers: dict[str, Any]) -> str:
     """Side-by-side table of per-device bytes per step in units of M, one column per
     ledger, one row per (phase, collective, mesh axes); then the totals per device and
-    through the busiest node's network link in one direction."""
+    through the busiest node's network link in one direction, per phase and in all, and
+    the program each ledger was read from (`CommLedger.program`)."""
     rows: dict[tuple, dict[str, float]] = {}
     for name, ledger in ledgers.items():
         for (phase, op, axes), num in ledger.bytes_by("phase", "op", "axes").items():
             rows.setdefault((phase, op, axes), {})[name] = ledger.in_units_of_M(num)
-    order = {"forward": 0, "backward": 1}
+    order = {"forward": 0, "backward": 1, "update": 2}
     names = list(ledgers)
-    width = 40
+    width = max([40, *(len(f"{k[0]} {k[1]} over {'+'.join(k[2]) or '-'}") + 1 for k in rows)])
     lines = [f"{'collective (per device, one step)':<{width}}" + "".join(f"{n:>10}" for n in names)]
     for key in sorted(rows, key=lambda k: (order.get(k[0], 2), k[1], k[2])):
         phase, op, axes = key
         label = f"{phase} {op} over {'+'.join(axes) or '-'}"
         lines.append(
             f"{label:<{width}}" + "".join(f"{rows[key].get(n, 0.0):>9.3f}M" for n in names)
+        )
+    phases = sorted({k[0] for k in rows}, key=lambda p: order.get(p, 3))
+    by_phase = {n: ledgers[n].link_bytes_by("phase") for n in names}
+    for phase in phases:
+        lines.append(
+            f"{'per node link, ' + phase:<{width}}"
+            + "".join(
+                f"{ledgers[n].in_units_of_M(by_phase[n].get((phase,), 0.0)):>9.3f}M" for n in names
+            )
         )
     for label, attr in (
         ("total per device", "total_bytes"),
@@ -39,6 +49,9 @@ def ledger_table(ledgers: dict[str, Any]) -> str:
                 f"{ledgers[n].in_units_of_M(getattr(ledgers[n], attr)):>9.3f}M" for n in names
             )
         )
+    lines.append(
+        f"{'read from the program':<{width}}" + "".join(f"{ledgers[n].program:>10}" for n in names)
+    )
     return "\n".join(lines)
 
 
@@ -112,8 +125,10 @@ def plan_report(args: argparse.Namespace, *, train_step: Callable, tx: Any) -> s
         layouts = state.layouts[1]
     lowered = step.lower(state, batch)
     need = fit.need_of(lowered.compile())
+    # The whole step (the optimizer update's collectives included), from the program
+    # compiled above (a lowering compiles once).
     ledger = zpp.comm_ledger(
-        Prelowered(lowered), batch, mesh=mesh, param_count=count, compiled=config is None
+        Prelowered(lowered), batch, mesh=mesh, param_count=count, compiled=True
     )
     nodes, local = mesh.shape["node"], mesh.shape["local"]
     est = plan.estimate(
@@ -132,7 +147,7 @@ def plan_report(args: argparse.Namespace, *, train_step: Callable, tx: Any) -> s
         f"{PROG} --plan: {count / 1e6:.2f}M parameters ({args.model}: d_model {args.d_model}, "
         f"{args.n_layers} layers, {args.n_heads} heads, vocabulary {args.vocab_size}, "
         f"{'scanned' if args.scan_layers else 'unrolled'}, remat {args.remat}); "
-        f"{config_text(config)}; AdamW; a {nodes} x {local} mesh of "
+        f"{config_text(config)}; {args.optimizer}; a {nodes} x {local} mesh of "
         f"{jax.default_backend()} devices; batch {args.batch} ({args.batch // mesh.size} per "
         f"device) x {args.seq_len} tokens. Compiled from shapes; nothing was allocated."
     )
@@ -161,7 +176,7 @@ def plan_report(args: argparse.Namespace, *, train_step: Callable, tx: Any) -> s
     lines += [
         "",
         f"communication per step, M = {m / 1e6:.1f} MB (parameters in 16 bits), from the "
-        f"{'compiled' if config is None else 'lowered'} step:",
+        "compiled step (every collective, the optimizer update's included):",
         f"  per device          {ledger.total_bytes / 1e6:>12.1f} MB "
         f"({ledger.in_units_of_M(ledger.total_bytes):.3f} M)",
         f"  per node link, each way {ledger.link_bytes / 1e6:>8.1f} MB "
