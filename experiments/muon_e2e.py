@@ -1,6 +1,6 @@
 """Muon end to end: the trainer's GPT under ZeRO++'s Muon profile against XLA's FSDP.
 
-    python experiments/muon_e2e.py                      # every run (~45 min)
+    python experiments/muon_e2e.py                      # every run (~55 min)
     python experiments/muon_e2e.py --variants muon_zeropp,muon_xla_fsdp --seeds 0,1
     python experiments/muon_e2e.py --report-only        # rewrite the tables
     python experiments/muon_e2e.py --quick --out /tmp/m # smoke run
@@ -18,6 +18,7 @@ AdamW on the rest):
   with `optax.contrib.muon`, what its users run;
 - `muon_zeropp_int4`: ZeRO++'s own defaults (int4 gradients) with the same Muon;
 - `muon_zeropp_gather_int8`: the profile with Muon's gather in block-quantized int8;
+- `muon_zeropp_node_int4`: the profile with int4 on the cross-node gradient hop;
 - `adamw_zeropp` / `adamw_xla_fsdp`: the control, with `--optimizer adamw`;
 
 each with the same seed, data order and validation batches, per seed of `--seeds`. Each
@@ -61,10 +62,17 @@ VARIANTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "zeropp",
         ("--optimizer", "muon", "--muon-gather", "int8"),
     ),
+    "muon_zeropp_node_int4": ("muon", "zeropp", ("--optimizer", "muon", "--grad-node-bits", "4")),
     "adamw_zeropp": ("adamw", "zeropp", ("--optimizer", "adamw")),
     "adamw_xla_fsdp": ("adamw", "xla-fsdp", ("--optimizer", "adamw", "--engine", "xla-fsdp")),
 }
-DEFAULT_VARIANTS = ("muon_zeropp", "muon_xla_fsdp", "muon_zeropp_gather_int8", "muon_zeropp_int4")
+DEFAULT_VARIANTS = (
+    "muon_zeropp",
+    "muon_xla_fsdp",
+    "muon_zeropp_gather_int8",
+    "muon_zeropp_int4",
+    "muon_zeropp_node_int4",
+)
 SCHEDULE = dataclasses.replace(convergence.MAIN, scan=True)
 """The trainer's default (scanned) GPT at width 128 and depth 2 (0.45M parameters), 800
 steps, peak lr 3e-3 for both of Muon's parts."""
