@@ -582,3 +582,49 @@ def test_the_compiled_program_runs_what_the_ledger_counts(config):
     assert {(op, part) for op, _, _, _, part in extra} == {("all-reduce", "other")}
     scalars = len(jax.tree_util.tree_leaves(state.params)) + 1  # per leaf, and the loss
     assert sum(extra.values()) <= 2 * 4 * scalars  # all-reduce: 2 x bytes; ~250 KB beside
+
+
+def test_the_whole_step_after_the_partitioner_and_the_program_named():
+    """A scanned GPT step (the layered scan's loops, forward and backward) read after
+    XLA's partitioner holds the lowered program's collectives with their trip counts,
+    plus the update's collectives that XLA inserts, which the lowered program lacks:
+    Muon's gathers. With 2 layers the layered
+    scan's loop runs once and compiling removes it, so its count comes from the lowered
+    program, the loop matched by its source and its call chain's phase (the backward
+    loop's own op name, relative inside the shard_map body, does not show the phase).
+    XLA FSDP's update is counted as the update phase too. Each ledger names the program
+    it read."""
+    from zeropp_jax.baselines import step_ledger
+    from zeropp_jax.train import cli, optimizers
+    from zeropp_jax.train.model import GPT, GPTConfig, init_fn
+
+    gpt = GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4, scan=True)
+    mesh = zpp.make_mesh(2, 4)
+    tx = zpp.muon(1e-3, muon_weight_dimension_numbers=optimizers.muon_dims)
+    state = zpp.TrainState.abstract(
+        apply_fn=GPT(gpt).apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, config=zpp.ZeroPPConfig()
+    )
+    batch = jax.ShapeDtypeStruct((8, gpt.seq_len + 1), jnp.int32)
+    step = zpp.shard(cli.train_step, mesh=mesh)
+    lowered = comm_ledger(step, state, batch)
+    after = comm_ledger(step, state, batch, partitioned=True)
+    assert (lowered.program, after.program) == ("lowered", "partitioned")
+    keys = ("op", "dtype", "phase", "axes", "trip_count")
+    got = after.bytes_by(*keys)
+    for key, num in lowered.bytes_by(*keys).items():
+        assert got.get(key) == num, key
+    assert not any(r.phase == "update" for r in lowered.records)
+    gathers = {(k[1], k[3]) for k in got if k[2] == "update" and k[0] == "all-gather"}
+    assert gathers == {("uint16", ("node",)), ("uint16", ("local",))}
+
+    fsdp = step_ledger(
+        cli.train_step,
+        batch,
+        apply_fn=GPT(gpt).apply,
+        params=init_fn(gpt, 0),
+        tx=optax.contrib.muon(1e-3, muon_weight_dimension_numbers=optimizers.muon_dims),
+        mesh=mesh,
+        config=None,
+    )
+    assert fsdp.program == "compiled"
+    assert fsdp.link_bytes_by("phase")[("update",)] > fsdp.link_bytes_by("phase")[("forward",)]

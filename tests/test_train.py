@@ -382,3 +382,58 @@ def test_readme_shows_the_help_the_parser_prints(monkeypatch):
     assert shown.split("\n\n")[1].startswith("Train a GPT on your own text (--data)")
     for example in ("--engine zero3", "--resume", "--num-processes 2", "zeropp_jax.launch"):
         assert example in flags.EPILOG
+
+
+def test_muon_picks_its_profile_and_gather_and_says_so():
+    import zeropp_jax as zpp
+    from zeropp_jax.train.flags import muon_note, parse_args, preset_note, zeropp_config
+
+    args = parse_args(["--optimizer", "muon"])
+    assert zeropp_config(args) == zpp.ZeroPPConfig.muon()
+    assert zpp.ZeroPPConfig.muon().grad_hop2_bits == 8
+    assert args.muon_gather == "bfloat16"
+    assert "chose --preset muon" in preset_note(args)
+    assert "gathered once, in bfloat16" in muon_note(args)
+    # Given explicitly, the preset and the flags win, and nothing is announced as chosen.
+    args = parse_args(["--optimizer", "muon", "--preset", "zeropp"])
+    assert zeropp_config(args) == zpp.ZeroPPConfig() and preset_note(args) is None
+    got = zeropp_config(parse_args(["--optimizer", "muon", "--grad-node-bits", "4"]))
+    assert got == zpp.ZeroPPConfig.muon(grad_node_bits=4)
+    # Other engines and optimizers keep their defaults; XLA FSDP runs optax's Muon.
+    assert zeropp_config(parse_args(["--optimizer", "muon", "--zero3"])) == zpp.ZeroPPConfig.zero3()
+    fsdp = parse_args(["--optimizer", "muon", "--engine", "xla-fsdp"])
+    assert fsdp.muon_gather == "optax" and "optax.contrib.muon" in muon_note(fsdp)
+    assert preset_note(parse_args([])) is None and muon_note(parse_args([])) is None
+
+
+def test_cli_muon_summary_counts_the_update_phase(tmp_path, capsys):
+    """The trainer's bytes for `--optimizer muon` include Muon's update: each kernel's
+    momentum gathered once in bfloat16, across nodes first, so that each node link carries
+    the other node's half of every kernel (its element count, in bytes) per step."""
+    from zeropp_jax.train import cli
+    from zeropp_jax.train.flags import gpt_config, parse_args
+    from zeropp_jax.train.model import init_fn
+
+    argv = [*TINY_FLAGS, "--steps", "1", "--optimizer", "muon", "--save-every", "0"]
+    assert cli.main([*argv, "--out", str(tmp_path / "run")]) == 0
+    printed = capsys.readouterr().out
+    assert "per node link, update" in printed and "read from the program" in printed
+    with open(tmp_path / "run" / "summary.json") as f:
+        ledger = json.load(f)["ledger"]
+    ours = ledger["ZeRO++"]
+    assert ours["program"] == "compiled"
+    init = init_fn(gpt_config(parse_args(argv)), 0)
+    shapes = jax.eval_shape(init.fn)
+    kernels = [
+        x.size for p, x in jax.tree_util.tree_leaves_with_path(shapes) if p[-1].key == "kernel"
+    ]
+    m = 2 * sum(x.size for x in jax.tree.leaves(shapes))
+    # The kernels' widths divide over the 8 devices: no padding. The update's other
+    # collective is the clipping's all-reduce of one float32 per leaf (448 bytes through a
+    # node link here), less than the smallest kernel's gather would add.
+    leaves = len(jax.tree.leaves(shapes))
+    extra = ours["update_link_M"] * m - sum(kernels)
+    assert 0 <= extra <= 32 * leaves < min(kernels), (ours, sum(kernels))
+    whole = sum(ours[f"{p}_link_M"] for p in ("forward", "backward", "update"))
+    assert ours["link_M"] == pytest.approx(whole, rel=1e-9)
+    assert ledger["ZeRO-3"]["update_link_M"] == pytest.approx(ours["update_link_M"])
