@@ -171,7 +171,7 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[str]:
             f"({'within' if gap_ok else '**not** within'} {GOAL_GAP_PCT}%); update "
             f"{row['update_link_M']:.3f} M per node link ({'at most' if upd_ok else '**over**'} "
             f"{GOAL_UPDATE_LINK_M} M); all of the step {row['link_M']:.3f} M per node link "
-            f"against XLA FSDP's {ref['link_M']:.3f} M at 16 bits: 1/{1 / ratio:.1f} "
+            f"against XLA FSDP's {ref['link_M']:.3f} M at a GPU's width: 1/{1 / ratio:.1f} "
             f"({'at most' if ratio <= 0.2 else '**more** than'} a fifth)."
         )
     return out
