@@ -375,11 +375,12 @@ class ZeroPPConfig:
         hops instead of int4.
 
         Muon's Newton-Schulz gives every direction of an update the same weight, the
-        int4 quantization noise in its small ones included: on the trainer's GPT ZeRO++'s
-        int4 gradients cost Muon 4.3% in validation loss against XLA FSDP (800 steps),
-        int8 gradients 0.1%, at 0.13 M more per node link (the gradient hops' bytes
-        double). Pair it with `zeropp_jax.muon`, whose update gathers each matrix once;
-        `docs/optimizers.md` has the measurements.
+        int4 quantization noise in its small ones included: on the trainer's GPT (800
+        steps, 2 x 4) ZeRO++'s int4 gradients cost Muon 4.5% in validation loss against
+        XLA FSDP, int4 on the cross-node hop alone 3.0%; int8 on both hops stays within
+        0.12% on two seeds, at 0.13 M more per node link (the backward's gradient bytes
+        double). Pair it with `zeropp_jax.muon`, whose update gathers each matrix once
+        (docs/concepts.md, "Muon"; the runs: experiments/RESULTS.md).
         """
         fields = dict(weight_bits=8, hierarchical=True, grad_bits=8, grad_node_bits=SAME)
         fields.update(overrides)

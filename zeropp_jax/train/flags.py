@@ -429,7 +429,7 @@ def preset_defaults(preset: str) -> dict[str, object]:
 
 def default_preset(args: argparse.Namespace) -> str:
     """The preset when `--preset` is not given: `muon` for `--optimizer muon` on the ZeRO++
-    engine (int4 gradients cost Muon 4.3% in loss; `ZeroPPConfig.muon`), else `zeropp`."""
+    engine (int4 gradients cost Muon 4.5% in loss; `ZeroPPConfig.muon`), else `zeropp`."""
     zeropp = not args.zero3 and args.engine in (None, "zeropp")
     return "muon" if zeropp and args.optimizer == "muon" else "zeropp"
 
@@ -441,7 +441,7 @@ def preset_note(args: argparse.Namespace) -> str | None:
     return (
         f"--optimizer {args.optimizer} chose --preset {args.preset} (ZeroPPConfig."
         f"{args.preset}(): int8 gradients on both hops, which Muon tolerates; ZeRO++'s int4 "
-        "costs it 4.3% in loss); --preset zeropp gives ZeRO++'s defaults"
+        "costs it 4.5% in loss); --preset zeropp gives ZeRO++'s defaults"
     )
 
 
