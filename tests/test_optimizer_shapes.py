@@ -79,6 +79,9 @@ OPTIMIZERS = {
     "adamw_by_rank": lambda: optax.adamw(1e-3, weight_decay=0.1, mask=rank_mask),
     "adafactor": lambda: optax.adafactor(1e-3, min_dim_size_to_factor=8),
     "muon": lambda: optax.contrib.muon(1e-3, muon_weight_dimension_numbers=muon_dims),
+    # The trainer's Muon: each matrix gathered once, in bfloat16, across nodes first (with
+    # tensor parallelism, the `model` axis gathered in the same stage as `local`).
+    "zpp_muon": lambda: zpp.muon(1e-3, muon_weight_dimension_numbers=muon_dims),
     "lion": lambda: optax.lion(1e-4, weight_decay=0.1),
     "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
 }
