@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +25,14 @@ from flax import struct
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 
-from zeropp_jax import jaxpr_compat, kernels, optimizer_view, state_init, tensor_parallel
+from zeropp_jax import (
+    jaxpr_compat,
+    kernels,
+    optimizer_view,
+    state_init,
+    stored_share,
+    tensor_parallel,
+)
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax.config import ZeroPPConfig
@@ -74,6 +82,20 @@ def _leaf_layouts(
             "parallelism."
         )
     return tuple(layouts)
+
+
+def _warn_above_share(shapes: Any, layouts: Sequence[part.LeafLayout], mesh: Mesh) -> None:
+    """Warns (`stored_share.StoredAboveShareWarning`) naming each leaf stored above
+    `stored_share.RATIO_LIMIT` times its share, with why; silent when none is."""
+    n = data_parallel_size(mesh)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+    excess = stored_share.over_share(paths, layouts, n)
+    if excess:
+        warnings.warn(
+            stored_share.warning_text(excess, layouts, n),
+            stored_share.StoredAboveShareWarning,
+            stacklevel=4,
+        )
 
 
 class TrainState(train_state.TrainState):
@@ -202,6 +224,8 @@ class TrainState(train_state.TrainState):
         mesh_shape(mesh)
         shapes, names = tensor_parallel.unbox(state_init.shapes_of(params), rules)
         leaf_layouts = _leaf_layouts(shapes, names, mesh, config)
+        if not abstract:
+            _warn_above_share(shapes, leaf_layouts, mesh)
         treedef = jax.tree_util.tree_structure(shapes)
         shardings = [NamedSharding(mesh, part.leaf_spec(lo)) for lo in leaf_layouts]
         if abstract:

@@ -1,0 +1,95 @@
+"""`zeropp_jax.stored_share`: each leaf's stored values over its share, the reason, and
+`TrainState.create`'s warning naming the leaves padded above 1.05x their share."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import zeropp_jax as zpp
+from zeropp_jax import partition as part
+from zeropp_jax import stored_share
+
+
+def layout(shape, n):
+    return part.leaf_layout("p", jax.ShapeDtypeStruct(shape, jnp.float32), n)
+
+
+@pytest.mark.parametrize(
+    "shape, n, ratio",
+    [
+        # The cases of issue #48's table, from the layout rules.
+        ((3, 3, 64, 64), 8, 8 / 3),  # conv kernel: axis 0 kept, rows 3 -> 8
+        ((3, 3, 64, 64), 128, 128 / 3),
+        ((768, 12, 64), 8, 16 / 12),  # unscanned DenseGeneral: rows 12 -> 16
+        ((32, 32, 128, 4096), 8, 1.0),  # MaxText attention-out: rows 32 divide 8
+        ((32, 32, 128, 4096), 64, 2.0),  # ... and pad to 64
+        ((3, 4), 8, 8 / 3),  # the README's Dense(4) kernel
+        ((4096, 4096), 1024, 1.0),
+        ((50304, 768), 1024, 51200 / 50304),  # rows 50304 -> 51200
+    ],
+)
+def test_share_ratio_follows_the_layout(shape, n, ratio):
+    lo = layout(shape, n)
+    assert stored_share.share_ratio(lo, n) == pytest.approx(ratio)
+    assert lo.padded_size / n == pytest.approx(ratio * lo.size / n)
+
+
+def test_over_share_names_the_big_padded_leaves_with_their_reason():
+    shapes = [(3, 3, 64, 64), (768, 12, 64), (3, 4), (1024, 1024), (60,)]
+    layouts = [layout(s, 8) for s in shapes]
+    excess = stored_share.over_share([f"leaf{i}" for i in range(5)], layouts, 8)
+    # The Dense(4) kernel and the bias pad too, but are under EXEMPT_BYTES; the square
+    # matrix divides.
+    assert [e.path for e in excess] == ["leaf1", "leaf0"]  # largest padding first
+    conv = excess[1]
+    assert conv.stored_shape == (3, 8, 64, 64)
+    assert conv.excess_bytes == 4 * 3 * 5 * 64 * 64 / 8
+    assert "axis 0 (3) is kept whole as a layer axis" in conv.reason
+    assert "from 3 to 8" in conv.reason
+    assert stored_share.state_ratio(layouts[3:4], 8) == 1.0
+
+
+class ConvNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(64, (3, 3))(x)
+        x = nn.Conv(64, (3, 3))(jax.nn.relu(x))
+        return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+def test_create_warns_once_naming_each_padded_leaf():
+    x = jnp.ones((8, 8, 8, 3))
+    params = ConvNet().init(jax.random.key(0), x)["params"]
+    mesh = zpp.make_mesh(2, 4)
+    with pytest.warns(stored_share.StoredAboveShareWarning) as caught:
+        state = zpp.TrainState.create(
+            apply_fn=ConvNet().apply, params=params, tx=optax.adam(1e-3), mesh=mesh
+        )
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    # The second conv kernel (3, 3, 64, 64); the first (3, 3, 3, 64) is exempt (1728 values).
+    assert "['Conv_1']['kernel'] (3, 3, 64, 64) stored as (3, 8, 64, 64): 2.67x" in text
+    assert "Conv_0" not in text
+    assert state.params["Conv_1"]["kernel"].shape == (3, 8, 64, 64)
+    # Shapes alone (`abstract`) do not warn: `create` does, once.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", stored_share.StoredAboveShareWarning)
+        zpp.TrainState.abstract(
+            apply_fn=ConvNet().apply, params=params, tx=optax.adam(1e-3), mesh=mesh
+        )
+
+
+def test_no_warning_where_every_big_leaf_divides():
+    from zeropp_jax.train.model import GPT, GPTConfig, init_fn
+
+    gpt = GPTConfig(seq_len=16, d_model=128, n_layers=2, n_heads=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", stored_share.StoredAboveShareWarning)
+        zpp.TrainState.create(
+            apply_fn=GPT(gpt).apply, params=init_fn(gpt, 0), tx=optax.adam(1e-3),
+            mesh=zpp.make_mesh(2, 4),
+        )  # fmt: skip
