@@ -25,14 +25,13 @@ PROG = "zeropp-train"
 ENGINES = ("zeropp", "zero3", "xla-fsdp")
 """The values of `--engine`."""
 OPTIMIZERS = ("adamw", "adafactor", "muon", "lion")
-"""The values of `--optimizer`."""
+"""The values of `--optimizer` (`zeropp_jax.train.optimizers`)."""
 MUON_GATHERS = ("bfloat16", "float32", "int8", "optax")
 """The values of `--muon-gather`: `zeropp_jax.muon`'s gather formats, or optax's own Muon."""
-"""The values of `--optimizer` (`zeropp_jax.train.optimizers`)."""
 MODELS = ("tiny", "125m", "350m", "1.3b", "6.7b")
 """The values of `--model` (the keys of `zeropp_jax.train.model.PRESETS`)."""
 PRESETS = ("zeropp", "beyond", "muon")
-"""The values of `--preset` (`ZeroPPConfig()` and `ZeroPPConfig.beyond()`)."""
+"""The values of `--preset` (`ZeroPPConfig()`, `ZeroPPConfig.beyond()`, `ZeroPPConfig.muon()`)."""
 REMATS = ("none", "matmuls", "full")
 """The values of `--remat` (`zeropp_jax.train.model.REMAT`)."""
 
