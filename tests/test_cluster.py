@@ -104,3 +104,31 @@ def test_namespaces_removed_when_the_run_fails(tmp_path):
     proc = run_cluster("--out-dir", str(tmp_path), "--timeout", "2", timeout=60)
     assert proc.returncode == 124, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "time limit passed" in proc.stderr
+
+
+def _run_cluster_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_cluster", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["run_cluster"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_equal_wire_step_is_the_link_model_arithmetic():
+    """The projection behind the README's equal-wire ratios (a cross-check, not a
+    measurement): the median less the time the shaped link takes to carry the bytes the
+    16-bit wire would not send, at the measured protocol overhead. It knows no compute
+    floor: at 1000 Mbit/s it projected XLA FSDP below its own step with no link limit
+    (issue #50), one reason it is never quoted as a measurement."""
+    step = _run_cluster_module().equal_wire_step
+    ledger, wire = [124.4e6, 124.0e6], [61.9e6, 61.0e6]
+    measured = [127.0e6, 126.5e6]
+    # 62.5 MB fewer on the busier direction, 2.09% protocol overhead, 100 Mbit/s.
+    want = 6.0 - 62.5e6 * (127.0 / 124.4) * 8 / 100e6
+    assert step(6.0, "100", measured, ledger, wire) == pytest.approx(want)
+    assert step(6.0, "200", measured, ledger, wire) == pytest.approx(6.0 - (6.0 - want) / 2)
+    # Nothing to take away: the config's own step; no rate limit: no link model.
+    assert step(6.0, "100", measured, ledger, ledger) == 6.0
+    assert step(6.0, "inf", measured, ledger, wire) is None
