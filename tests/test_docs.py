@@ -154,6 +154,26 @@ def test_python_blocks_run(page, tmp_path):
     run([sys.executable, str(script)], tmp_path, f"the python blocks of docs/{page} ({script})")
 
 
+def test_readme_python_runs_as_written_on_a_cpu(tmp_path):
+    """README.md's python, run as a newcomer would on a laptop: a fresh interpreter with
+    none of the tests' XLA flags (one CPU device until the example asks for more)."""
+    code = [b.code for b in blocks(ROOT / "README.md") if b.lang == "python"]
+    assert code, "README.md has no python block"
+    script = tmp_path / "readme.py"
+    script.write_text("\n".join(code))
+    bare = {k: v for k, v in env().items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=bare,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, f"README.md's python failed:\n{proc.stderr[-5000:]}"
+    assert "all-gather" in proc.stdout  # the ledger it prints
+
+
 def test_skipped_python_blocks_compile():
     for b in ALL:
         if b.lang == "python" and (b.marker or "").startswith("skip"):
