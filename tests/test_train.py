@@ -384,28 +384,6 @@ def test_readme_shows_the_help_the_parser_prints(monkeypatch):
         assert example in flags.EPILOG
 
 
-def test_muon_picks_its_profile_and_gather_and_says_so():
-    import zeropp_jax as zpp
-    from zeropp_jax.train.flags import muon_note, parse_args, preset_note, zeropp_config
-
-    args = parse_args(["--optimizer", "muon"])
-    assert zeropp_config(args) == zpp.ZeroPPConfig.muon()
-    assert zpp.ZeroPPConfig.muon().grad_hop2_bits == 8
-    assert args.muon_gather == "bfloat16"
-    assert "chose --preset muon" in preset_note(args)
-    assert "gathered once, in bfloat16" in muon_note(args)
-    # Given explicitly, the preset and the flags win, and nothing is announced as chosen.
-    args = parse_args(["--optimizer", "muon", "--preset", "zeropp"])
-    assert zeropp_config(args) == zpp.ZeroPPConfig() and preset_note(args) is None
-    got = zeropp_config(parse_args(["--optimizer", "muon", "--grad-node-bits", "4"]))
-    assert got == zpp.ZeroPPConfig.muon(grad_node_bits=4)
-    # Other engines and optimizers keep their defaults; XLA FSDP runs optax's Muon.
-    assert zeropp_config(parse_args(["--optimizer", "muon", "--zero3"])) == zpp.ZeroPPConfig.zero3()
-    fsdp = parse_args(["--optimizer", "muon", "--engine", "xla-fsdp"])
-    assert fsdp.muon_gather == "optax" and "optax.contrib.muon" in muon_note(fsdp)
-    assert preset_note(parse_args([])) is None and muon_note(parse_args([])) is None
-
-
 def test_cli_muon_summary_counts_the_update_phase(tmp_path, capsys):
     """The trainer's bytes for `--optimizer muon` include Muon's update: each kernel's
     momentum gathered once in bfloat16, across nodes first, so that each node link carries

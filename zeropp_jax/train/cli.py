@@ -34,20 +34,14 @@ from typing import Any
 
 from zeropp_jax.provenance import provenance
 from zeropp_jax.train.flag_types import UsageError
-from zeropp_jax.train.flags import (
-    PROG,
-    gpt_config,
-    muon_note,
-    parse_args,
-    preset_note,
-    zeropp_config,
-)
+from zeropp_jax.train.flags import PROG, gpt_config, parse_args, zeropp_config
 from zeropp_jax.train.platform import (
     check_batch,
     configure_host_devices,
     initialize_distributed,
     make_mesh,
 )
+from zeropp_jax.train.presets import muon_note, preset_note
 from zeropp_jax.train.report import Prelowered, config_text, ledger_table, plan_report
 from zeropp_jax.train.rundir import (
     check_resume,
