@@ -1,11 +1,15 @@
 """The step as XLA's SPMD partitioner leaves it (`zeropp_jax.partitioned`): the dump of the
-partitioned program, and the all-reduces a GPU compiler turns into reduce-scatters."""
+partitioned program, the all-reduces a GPU compiler turns into reduce-scatters, and the
+ledger read from it: the whole step, the optimizer update's collectives included."""
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import zeropp_jax as zpp
+from zeropp_jax import comm_ledger
 from zeropp_jax.hlo_text import parse_hlo_module
 from zeropp_jax.partitioned import partitioned_program, sliced_all_reduces
 
@@ -53,3 +57,49 @@ def test_the_partitioned_program_holds_per_device_shapes_and_the_collectives():
     }
     assert ops["parameter"].startswith("f32[8,32]") and ops["all-reduce"].startswith("f32[32]")
     assert "all-reduce" in compiled
+
+
+def test_the_whole_step_after_the_partitioner_and_the_program_named():
+    """A scanned GPT step (the layered scan's loops, forward and backward) read after
+    XLA's partitioner holds the lowered program's collectives with their trip counts,
+    plus the update's collectives that XLA inserts, which the lowered program lacks:
+    Muon's gathers. With 2 layers the layered
+    scan's loop runs once and compiling removes it, so its count comes from the lowered
+    program, the loop matched by its source and its call chain's phase (the backward
+    loop's own op name, relative inside the shard_map body, does not show the phase).
+    XLA FSDP's update is counted as the update phase too. Each ledger names the program
+    it read."""
+    from zeropp_jax.baselines import step_ledger
+    from zeropp_jax.train import cli, optimizers
+    from zeropp_jax.train.model import GPT, GPTConfig, init_fn
+
+    gpt = GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4, scan=True)
+    mesh = zpp.make_mesh(2, 4)
+    tx = zpp.muon(1e-3, muon_weight_dimension_numbers=optimizers.muon_dims)
+    state = zpp.TrainState.abstract(
+        apply_fn=GPT(gpt).apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, config=zpp.ZeroPPConfig()
+    )
+    batch = jax.ShapeDtypeStruct((8, gpt.seq_len + 1), jnp.int32)
+    step = zpp.shard(cli.train_step, mesh=mesh)
+    lowered = comm_ledger(step, state, batch)
+    after = comm_ledger(step, state, batch, partitioned=True)
+    assert (lowered.program, after.program) == ("lowered", "partitioned")
+    keys = ("op", "dtype", "phase", "axes", "trip_count")
+    got = after.bytes_by(*keys)
+    for key, num in lowered.bytes_by(*keys).items():
+        assert got.get(key) == num, key
+    assert not any(r.phase == "update" for r in lowered.records)
+    gathers = {(k[1], k[3]) for k in got if k[2] == "update" and k[0] == "all-gather"}
+    assert gathers == {("uint16", ("node",)), ("uint16", ("local",))}
+
+    fsdp = step_ledger(
+        cli.train_step,
+        batch,
+        apply_fn=GPT(gpt).apply,
+        params=init_fn(gpt, 0),
+        tx=optax.contrib.muon(1e-3, muon_weight_dimension_numbers=optimizers.muon_dims),
+        mesh=mesh,
+        config=None,
+    )
+    assert fsdp.program == "compiled"
+    assert fsdp.link_bytes_by("phase")[("update",)] > fsdp.link_bytes_by("phase")[("forward",)]
