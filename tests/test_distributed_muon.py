@@ -17,6 +17,7 @@ from optax.contrib import MuonDimensionNumbers
 
 import zeropp_jax as zpp
 from zeropp_jax import distributed_muon as muon_lib
+from zeropp_jax.partition import view_axis
 from zeropp_jax.quant import qmax
 
 EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
@@ -156,9 +157,14 @@ def test_each_matrix_gathered_once_across_nodes_first(setup):
     assert all(r.op == "all-gather" and r.dtype == "uint16" for r in bf16), bf16
     # One gather per matrix and stage: over `node`, then over `local`.
     assert sorted(r.axes for r in bf16) == [("local",)] * len(kernels) + [("node",)] * len(kernels)
-    # XLA gathers the view's rows padded to a multiple of the 8 devices (rows: axis 0, a
-    # stacked kernel's axis 1): the inner stage ends with every (padded) matrix whole.
-    padded = [k.size // k.shape[k.ndim - 2] * -(-k.shape[k.ndim - 2] // 8) * 8 for k in kernels]
+    # XLA gathers the view padded to a multiple of the 8 devices on the axis the engine
+    # splits (`partition.view_axis`: the (10, 60) kernel's 60, the others' rows): the inner
+    # stage ends with every (padded) matrix whole.
+    axes = [view_axis(k.shape, 8) for k in kernels]
+    assert axes == [1, 0, 1], axes  # kernels: Dense_0 (10, 60), Dense_1 (60, 10), scanned
+    padded = [
+        k.size // k.shape[a] * -(-k.shape[a] // 8) * 8 for k, a in zip(kernels, axes, strict=True)
+    ]
     assert sum(r.out_bytes for r in bf16 if r.axes == ("local",)) == 2 * sum(padded)
     # Each node link carries the other node's half of every matrix, once, in 16 bits.
     assert link["bfloat16"] == sum(padded)

@@ -40,7 +40,7 @@ from optax.contrib import MuonDimensionNumbers, MuonState
 from optax.contrib import _muon as optax_muon
 
 from zeropp_jax import quant, wire
-from zeropp_jax.partition import MODEL_AXIS
+from zeropp_jax.partition import MODEL_AXIS, view_axis
 
 GATHER_FORMATS = ("float32", "bfloat16", "int8")
 """How a matrix's momentum travels to be orthogonalised (see the module docstring)."""
@@ -111,15 +111,16 @@ def _replicated(x: jax.Array, mesh: Any, row_axis: int = 0) -> jax.Array:
     return jax.lax.slice_in_dim(x, 0, rows, axis=row_axis)
 
 
-def _row_axis(ndim: int, dimension_numbers: MuonDimensionNumbers | None) -> int:
-    """The axis the engine shards a matrix's rows along: its first matrix axis (axis 0 of
-    a plain matrix, 1 of a stacked `(layers, in, out)` one)."""
-    if dimension_numbers is None:
+def _row_axis(shape: tuple[int, ...], mesh: Any) -> int:
+    """The axis the engine's model-shaped view of a matrix of `shape` is sharded along over
+    `mesh`'s data-parallel devices (`partition.view_axis`: its first matrix axis where that
+    divides evenly, else the axis that pads least). A tensor-parallel leaf's view, or XLA
+    FSDP's parameter sharded on another axis, is resharded by XLA first: the same values,
+    more bytes."""
+    if mesh is None or not shape:
         return 0
-    axes = []
-    for a in (dimension_numbers.reduction_axis, dimension_numbers.output_axis):
-        axes += list(a) if isinstance(a, tuple | list) else [a]
-    return min(a % ndim for a in axes)
+    shards = mesh.size // dict(mesh.shape).get(MODEL_AXIS, 1)
+    return view_axis(tuple(shape), shards)
 
 
 def _int8_rows(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
@@ -160,6 +161,10 @@ def gather_whole(
         bits = _replicated(wire.to_wire(x.astype(jnp.bfloat16)), mesh, row_axis)
         return wire.from_wire(bits, jnp.bfloat16).astype(jnp.float32)
     values, scales = _int8_rows(x, block_size)
+    if row_axis == x.ndim - 1 and x.ndim > 1:
+        # Split along the blocks' own axis: the blocks cross shard boundaries, so the
+        # values are gathered along the matrix's other axis (XLA reshards them first).
+        row_axis = x.ndim - 2
     values, scales = _replicated(values, mesh, row_axis), _replicated(scales, mesh, row_axis)
     full = quant.dequantize_blocks(values, scales, bits=8)
     return full.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]]
@@ -176,7 +181,7 @@ def orthogonalize_gathered(
 ) -> jax.Array:
     """optax's `orthogonalize_via_newton_schulz` on `x` gathered whole (`gather_whole`);
     the result stays replicated until its consumer shards it (a slice, no collective)."""
-    full = gather_whole(x, gather_format, row_axis=_row_axis(x.ndim, dimension_numbers))
+    full = gather_whole(x, gather_format, row_axis=_row_axis(x.shape, _mesh_of(x)))
     out = optax_muon.orthogonalize_via_newton_schulz(
         full, ns_coeffs, ns_steps, preconditioning, eps, dimension_numbers
     )
