@@ -243,5 +243,11 @@ def test_xla_fsdp_on_equal_wires_sends_what_zero3_sends(gpt_baseline):
         mesh=mesh,
         config=zpp.ZeroPPConfig.zero3(),
     )
-    assert wire.total_bytes <= 1.2 * zero3.total_bytes, (wire.total_bytes, zero3.total_bytes)
-    assert wire.total_bytes >= 0.8 * zero3.total_bytes, (wire.total_bytes, zero3.total_bytes)
+    # ZeRO-3 sends every value in 16 bits, unpadded (the stored layout pads no leaf of this
+    # GPT on 8 devices); the XLA program sends the LayerNorm vectors, the tied head's
+    # backward gather and their reductions in float32, as the program asks. Counted at 16
+    # bits, the two send the same within 10% (XLA's gathers of the int32 tokens and its
+    # all-to-alls are the rest).
+    at_16 = sum(b / 2 if dtype == "float32" else b for (_, dtype), b in by_op.items())
+    assert 0.95 * zero3.total_bytes <= at_16 <= 1.1 * zero3.total_bytes, (at_16, zero3.total_bytes)
+    assert wire.total_bytes <= 1.25 * zero3.total_bytes, (wire.total_bytes, zero3.total_bytes)

@@ -159,26 +159,36 @@ def _stacked_state(tx, mesh):
 
 
 def _write_layout_1(path, state, opt_leaves, version=1):
-    """`state` saved as a previous layout wrote it: stacked leaves flattened per layer,
-    version 1 padded in values (`C = ceil(35 / 8) * 8 = 40` here, not 8 rows x 7 = 56)
-    with no `layout` field, version 2 padded in rows (56); the optimizer state's leaves are
-    `opt_leaves(those leaves)`."""
+    """`state` saved as a previous layout wrote it: every leaf padded on its (row's) first
+    axis (layout 3: `stack` (3, 5, 7) stored (3, 8, 7), `w` (5, 7) stored (8, 7), where
+    layout 4 pads their last axis); stacked leaves then flattened per layer in version 2
+    (`(3, 56)`), and padded in values in version 1 (`C = ceil(35 / 8) * 8 = 40`, not 8 rows
+    x 7 = 56) with no `layout` field; the optimizer state's leaves are `opt_leaves(those
+    leaves)`."""
     import json
     import os
 
     from zeropp_jax import checkpoint
 
-    def v1(x):
-        if x.shape != (3, 8, 7):
+    n = 8
+    by_shape = {lo.stored_shape: lo for lo in state.layouts[1] if lo.sharded}
+
+    def old(x):
+        lo = by_shape.get(tuple(x.shape))
+        if lo is None:
+            return x
+        v3 = part.with_devices(lo, n, version=3)
+        x = part.to_master(part.from_master(x, lo), v3)
+        if not lo.stacked or version == 3:
             return x
         return x.reshape(3, 56)[:, :40] if version == 1 else x.reshape(3, 56)
 
     tree = {
         "step": state.step,
-        "params": jax.tree_util.tree_map(v1, state.params),
+        "params": jax.tree_util.tree_map(old, state.params),
         "opt_state": jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(state.opt_state),
-            opt_leaves([v1(x) for x in jax.tree_util.tree_leaves(state.opt_state)]),
+            opt_leaves([old(x) for x in jax.tree_util.tree_leaves(state.opt_state)]),
         ),
         "skipped_steps": state.skipped_steps,
     }
@@ -196,18 +206,20 @@ def _write_layout_1(path, state, opt_leaves, version=1):
         json.dump(meta, f)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_restores_a_checkpoint_of_the_previous_layout(tmp_path, version):
     mesh = mesh_of((2, 4))
     tx = optax.adam(0.1)
     state = _stacked_state(tx, mesh)
-    assert state.params["stack"].shape == (3, 8, 7)  # 5 rows padded to 8, per layer
+    # Layout 4 pads the axis that fits 8 devices: 7 -> 8, where layout 3 padded 5 rows to 8.
+    assert state.params["stack"].shape == (3, 5, 8)
+    assert state.params["w"].shape == (5, 8)
     _write_layout_1(tmp_path / "v", state, lambda leaves: leaves, version)
     target = zpp.TrainState.create(
         apply_fn=lambda v, x: x, params=zpp.gather_params(state), tx=tx, mesh=mesh
     )
     restored = zpp.restore_checkpoint(tmp_path / "v", target)
-    assert restored.params["stack"].shape == (3, 8, 7)
+    assert restored.params["stack"].shape == (3, 5, 8)
     for a, b in zip(
         jax.tree_util.tree_leaves((restored.params, restored.opt_state)),
         jax.tree_util.tree_leaves((state.params, state.opt_state)),
@@ -225,7 +237,10 @@ def test_previous_layout_with_shape_reading_optimizer_state_says_how_to_convert(
     old = jax.tree_util.tree_unflatten(
         state.layouts[0],
         [
-            jax.ShapeDtypeStruct((3, 40) if lo.stacked else lo.stored_shape, jnp.float32)
+            jax.ShapeDtypeStruct(
+                (3, 40) if lo.stacked else part.with_devices(lo, 8, version=1).stored_shape,
+                jnp.float32,
+            )
             for lo in layouts
         ],
     )

@@ -17,6 +17,7 @@ from zeropp_jax import feedback as F
 from zeropp_jax import make_mesh, reductions
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
+from zeropp_jax import saved_layouts as L
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
 ROWS, COLS = 3, 11
@@ -309,12 +310,9 @@ def test_pallas_interpret_equals_xla_with_feedback():
         np.testing.assert_array_equal(a, b)
 
 
-def test_missing_mass_of_a_stacked_leaf_respreads_onto_a_mesh_of_other_padding():
-    # A stacked leaf (3 layers of 5 x 7) is stored (3, 8, 7) on 8 devices and (3, 6, 7) on
-    # 6: what the residuals owe, respread onto the other mesh, is owed there again
-    # (stored layout 3 pads each layer in rows, axis 1).
-    layout = part.leaf_layout("stack", jnp.zeros((3, 5, 7)), 8)
-    mesh8, mesh6 = make_mesh(2, 4), make_mesh(2, 3, devices=jax.devices()[:6])
+def _filled_mass(layout, mesh8):
+    """What random residuals of `layout` on `mesh8` owe, kept only where they stand for
+    the leaf's real values (padding's gradient is 0), in its stored shape."""
     fresh = R.zeros((layout,), EF, mesh8)
     rng = np.random.default_rng(0)
     filled = {
@@ -326,13 +324,40 @@ def test_missing_mass_of_a_stacked_leaf_respreads_onto_a_mesh_of_other_padding()
         )
         for hop, rs in fresh.items()
     }
-    # Only values that stand for the leaf's real rows owe anything (padding's gradient is 0).
     (mass,) = R.missing_mass(filled, (layout,), 2, 4)
-    assert mass.shape == layout.stored_shape == (3, 8, 7)
-    real = np.zeros(mass.shape, np.float32)
-    real[:, :5] = np.asarray(mass)[:, :5]
+    assert mass.shape == layout.stored_shape
+    return part.to_master(part.from_master(mass, layout), layout)
+
+
+def test_missing_mass_of_a_stacked_leaf_respreads_onto_a_mesh_of_other_padding():
+    # A stacked leaf (3 layers of 5 x 9) is stored (3, 8, 9) on 8 devices and (3, 6, 9) on
+    # 6 (each layer padded on its first axis on both): what the residuals owe, respread
+    # onto the other mesh, is owed there again.
+    layout = part.leaf_layout("stack", jnp.zeros((3, 5, 9)), 8)
+    mesh8, mesh6 = make_mesh(2, 4), make_mesh(2, 3, devices=jax.devices()[:6])
+    real = np.asarray(_filled_mass(layout, mesh8))
+    assert real.shape == (3, 8, 9) and np.abs(real[:, :5]).min() > 0
     layout6 = part.with_devices(layout, 6)
-    assert layout6.stored_shape == (3, 6, 7)
+    assert layout6.stored_shape == (3, 6, 9)
     moved = R.respread((jnp.asarray(real),), (layout6,), EF, mesh6)
     (again,) = R.missing_mass(moved, (layout6,), 2, 3)
     np.testing.assert_allclose(np.asarray(again), real[:, :6], rtol=1e-6, atol=1e-6)
+
+
+def test_missing_mass_respreads_onto_a_mesh_that_splits_another_axis():
+    # 3 layers of 5 x 7: on 8 devices each layer is split on its 7 (padded to 8, (3, 5, 8)),
+    # on 6 on its 5 (padded to 6, (3, 6, 7)). The mass is laid out again, then respread,
+    # as `restore_checkpoint` does: what is owed on 6 devices is what was owed on 8.
+    layout = part.leaf_layout("stack", jnp.zeros((3, 5, 7)), 8)
+    layout6 = part.with_devices(layout, 6)
+    assert (layout.stored_shape, layout6.stored_shape) == ((3, 5, 8), (3, 6, 7))
+    mesh8, mesh6 = make_mesh(2, 4), make_mesh(2, 3, devices=jax.devices()[:6])
+    real = _filled_mass(layout, mesh8)
+    values = np.asarray(part.from_master(real, layout))
+    assert values.shape == (3, 5, 7) and np.abs(values).min() > 0
+    relaid = jax.jit(L.relayout, static_argnums=(1, 2))(real, layout, layout6)
+    moved = R.respread((jnp.asarray(np.asarray(relaid)),), (layout6,), EF, mesh6)
+    (again,) = R.missing_mass(moved, (layout6,), 2, 3)
+    np.testing.assert_allclose(
+        np.asarray(part.from_master(again, layout6)), values, rtol=1e-6, atol=1e-6
+    )

@@ -254,6 +254,8 @@ def test_views_crop_the_stored_layout(shape, dim, k, n):
     np.testing.assert_array_equal(np.asarray(view), x)
     back = jax.jit(optimizer_view.from_view, static_argnums=(1, 2))(jnp.asarray(x), lo, mesh)
     np.testing.assert_array_equal(np.asarray(back), np.asarray(stored))
-    # Whole rows per device: every kept row's padding is whole rows at its end.
+    # Whole rows per device: every kept row's padding is whole rows of its split axis at
+    # its end.
     assert lo.padded % n == 0 and lo.padded_rows % n == 0
-    assert lo.padded_rows * int(np.prod(lo.row_shape[1:])) == lo.padded_cols
+    assert int(np.prod(lo.padded_row_shape)) == lo.padded_cols
+    assert lo.padded_row_shape[lo.axis] == lo.padded_rows

@@ -26,7 +26,7 @@ def test_a_stacked_leaf_saved_flat_per_layer_unflattens_into_rows():
     layout = part.leaf_layout("stack", jnp.zeros((3, 5, 7)), 8)
     x = np.arange(3 * 5 * 7, dtype=np.float32).reshape(3, 5, 7)
     want = np.asarray(part.to_master(jnp.asarray(x), layout))
-    assert want.shape == (3, 8, 7)
+    assert want.shape == (3, 5, 8)  # a row (5, 7) splits its axis 7: 1.14x, not 1.6x
     for values in (40, 56):  # layout 1 (values padded to 8) and layout 2 (rows padded)
         flat = np.zeros((3, values), np.float32)
         flat[:, :35] = x.reshape(3, 35)

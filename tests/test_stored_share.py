@@ -21,15 +21,16 @@ def layout(shape, n):
 @pytest.mark.parametrize(
     "shape, n, ratio",
     [
-        # The cases of issue #48's table, from the layout rules.
-        ((3, 3, 64, 64), 8, 8 / 3),  # conv kernel: axis 0 kept, rows 3 -> 8
-        ((3, 3, 64, 64), 128, 128 / 3),
-        ((768, 12, 64), 8, 16 / 12),  # unscanned DenseGeneral: rows 12 -> 16
+        # The cases of issue #48's table: each kept row split on the axis that fits.
+        ((3, 3, 64, 64), 8, 1.0),  # conv kernel: axis 0 kept, a row's axis 64 splits
+        ((3, 3, 64, 64), 128, 2.0),  # ... no axis fits 128: 64 -> 128 pads least
+        ((768, 12, 64), 8, 1.0),  # unscanned DenseGeneral: 64 splits, not 12
         ((32, 32, 128, 4096), 8, 1.0),  # MaxText attention-out: rows 32 divide 8
-        ((32, 32, 128, 4096), 64, 2.0),  # ... and pad to 64
-        ((3, 4), 8, 8 / 3),  # the README's Dense(4) kernel
+        ((32, 32, 128, 4096), 64, 1.0),  # ... and 128 divides 64
+        ((3, 4), 8, 2.0),  # the README's Dense(4) kernel: 4 -> 8
         ((4096, 4096), 1024, 1.0),
-        ((50304, 768), 1024, 51200 / 50304),  # rows 50304 -> 51200
+        ((50304, 768), 1024, 51200 / 50304),  # rows 50304 -> 51200: 1.018x, kept on axis 0
+        ((32, 16384), 64, 1.0),  # a stacked bias: 16384, not the 32 layers
     ],
 )
 def test_share_ratio_follows_the_layout(shape, n, ratio):
@@ -38,49 +39,85 @@ def test_share_ratio_follows_the_layout(shape, n, ratio):
     assert lo.padded_size / n == pytest.approx(ratio * lo.size / n)
 
 
+@pytest.mark.parametrize(
+    "shape, n, ratio",
+    [
+        # Layout 3 (always the first axis of a row) stored the issue's factors.
+        ((3, 3, 64, 64), 8, 8 / 3),
+        ((3, 3, 64, 64), 128, 128 / 3),
+        ((768, 12, 64), 8, 16 / 12),
+        ((32, 32, 128, 4096), 64, 2.0),
+        ((3, 4), 8, 8 / 3),
+        ((32, 16384), 64, 2.0),
+    ],
+)
+def test_layout_3_padded_the_first_axis(shape, n, ratio):
+    lo = part.with_devices(layout(shape, n), n, version=3)
+    assert lo.axis == 0
+    assert stored_share.share_ratio(lo, n) == pytest.approx(ratio)
+
+
 def test_over_share_names_the_big_padded_leaves_with_their_reason():
     shapes = [(3, 3, 64, 64), (768, 12, 64), (3, 4), (1024, 1024), (60,)]
-    layouts = [layout(s, 8) for s in shapes]
-    excess = stored_share.over_share([f"leaf{i}" for i in range(5)], layouts, 8)
+    layouts = [layout(s, 128) for s in shapes]
+    excess = stored_share.over_share([f"leaf{i}" for i in range(5)], layouts, 128)
     # The Dense(4) kernel and the bias pad too, but are under EXEMPT_BYTES; the square
     # matrix divides.
     assert [e.path for e in excess] == ["leaf1", "leaf0"]  # largest padding first
     conv = excess[1]
-    assert conv.stored_shape == (3, 8, 64, 64)
-    assert conv.excess_bytes == 4 * 3 * 5 * 64 * 64 / 8
+    assert conv.stored_shape == (3, 3, 128, 64)
+    assert conv.ratio == 2.0
+    assert conv.excess_bytes == 4 * 3 * 3 * 64 * 64 / 128
     assert "axis 0 (3) is kept whole as a layer axis" in conv.reason
-    assert "from 3 to 8" in conv.reason
-    assert stored_share.state_ratio(layouts[3:4], 8) == 1.0
+    assert "pads its axis 2 from 64 to 128" in conv.reason
+    assert stored_share.state_ratio(layouts[3:4], 128) == 1.0
 
 
 class ConvNet(nn.Module):
+    channels: int = 64
+    kernel: int = 3
+
     @nn.compact
     def __call__(self, x):
-        x = nn.Conv(64, (3, 3))(x)
-        x = nn.Conv(64, (3, 3))(jax.nn.relu(x))
+        k = (self.kernel, self.kernel)
+        x = nn.Conv(self.channels, k)(x)
+        x = nn.Conv(self.channels, k)(jax.nn.relu(x))
         return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+def test_a_conv_kernel_is_stored_at_its_share():
+    x = jnp.ones((8, 8, 8, 3))
+    params = ConvNet().init(jax.random.key(0), x)["params"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", stored_share.StoredAboveShareWarning)
+        state = zpp.TrainState.create(
+            apply_fn=ConvNet().apply, params=params, tx=optax.adam(1e-3), mesh=zpp.make_mesh(2, 4)
+        )
+    kernel = state.params["Conv_1"]["kernel"]
+    assert kernel.shape == (3, 3, 64, 64)
+    assert kernel.sharding.spec == part.P(None, None, part.DP_AXES)
 
 
 def test_create_warns_once_naming_each_padded_leaf():
     x = jnp.ones((8, 8, 8, 3))
-    params = ConvNet().init(jax.random.key(0), x)["params"]
+    model = ConvNet(channels=36, kernel=5)
+    params = model.init(jax.random.key(0), x)["params"]
     mesh = zpp.make_mesh(2, 4)
     with pytest.warns(stored_share.StoredAboveShareWarning) as caught:
         state = zpp.TrainState.create(
-            apply_fn=ConvNet().apply, params=params, tx=optax.adam(1e-3), mesh=mesh
+            apply_fn=model.apply, params=params, tx=optax.adam(1e-3), mesh=mesh
         )
     assert len(caught) == 1
     text = str(caught[0].message)
-    # The second conv kernel (3, 3, 64, 64); the first (3, 3, 3, 64) is exempt (1728 values).
-    assert "['Conv_1']['kernel'] (3, 3, 64, 64) stored as (3, 8, 64, 64): 2.67x" in text
+    # The second conv kernel (5, 5, 36, 36): no axis of a row (5, 36, 36) divides 8, 36
+    # -> 40 pads least; the first (5, 5, 3, 36) is exempt (2700 values).
+    assert "['Conv_1']['kernel'] (5, 5, 36, 36) stored as (5, 5, 40, 36): 1.11x" in text
     assert "Conv_0" not in text
-    assert state.params["Conv_1"]["kernel"].shape == (3, 8, 64, 64)
+    assert state.params["Conv_1"]["kernel"].shape == (5, 5, 40, 36)
     # Shapes alone (`abstract`) do not warn: `create` does, once.
     with warnings.catch_warnings():
         warnings.simplefilter("error", stored_share.StoredAboveShareWarning)
-        zpp.TrainState.abstract(
-            apply_fn=ConvNet().apply, params=params, tx=optax.adam(1e-3), mesh=mesh
-        )
+        zpp.TrainState.abstract(apply_fn=model.apply, params=params, tx=optax.adam(1e-3), mesh=mesh)
 
 
 def test_no_warning_where_every_big_leaf_divides():

@@ -307,13 +307,14 @@ def restore_checkpoint(
     saved = L.saved_layouts(meta, layouts)
     owner = L.param_of(want, [p for p, _, _ in _param_table(target)])
     # Per leaf: (saved, target) layout of its parameter where the two split it over `model`
-    # differently; the layout of the stacked parameter (not split over `model`) it is or
-    # mirrors, shaped as the target stores it.
+    # differently, or split another axis over the data-parallel devices; the layout of the
+    # stacked parameter (not split over `model`) it is or mirrors, shaped as the target
+    # stores it.
     relayouts = [
         None
         if i is None
-        or (saved[i].model_dim, saved[i].model_size)
-        == (layouts[i].model_dim, layouts[i].model_size)
+        or (saved[i].model_dim, saved[i].model_size, saved[i].axis)
+        == (layouts[i].model_dim, layouts[i].model_size, layouts[i].axis)
         else (saved[i], layouts[i])
         for i in owner
     ]
@@ -427,14 +428,19 @@ def restore_checkpoint(
 
 def _refs_match(meta: dict[str, Any], target: TrainState) -> bool:
     """Whether the checkpoint's weight-delta references are the target's as they are: the
-    same mesh shape (so the same pieces in the same order) and, per leaf, shape and dtype."""
+    same mesh shape and split axes (so the same pieces in the same order) and, per leaf,
+    shape and dtype."""
     saved, want = meta.get("weight_ref"), _saved_refs(target)
     if not saved or want is None:
         return False
     same_mesh = meta["mesh"] == {k: int(v) for k, v in target.mesh.shape.items()}
+    layouts = target.layouts[1]
+    same_axes = all(
+        a.axis == b.axis for a, b in zip(L.saved_layouts(meta, layouts), layouts, strict=True)
+    )
     layout = list(zip(saved["leaves"], map(tuple, saved["shapes"]), saved["dtypes"], strict=True))
     want_layout = [(int(i), tuple(r.shape), jnp.dtype(r.dtype).name) for i, r in want.items()]
-    return same_mesh and layout == want_layout
+    return same_mesh and same_axes and layout == want_layout
 
 
 def _abstract_refs(saved: dict[str, Any], target: TrainState, keep: bool) -> dict[str, Any]:
@@ -492,7 +498,11 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
     same = jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(fresh) and (
         shapes == [x.shape for x in jax.tree_util.tree_leaves(fresh)]
     )
-    if same and meta["mesh"] == {k: int(v) for k, v in target.mesh.shape.items()}:
+    same_axes = all(
+        a.axis == b.axis
+        for a, b in zip(L.saved_layouts(meta, target.layouts[1]), target.layouts[1], strict=True)
+    )
+    if same and same_axes and meta["mesh"] == {k: int(v) for k, v in target.mesh.shape.items()}:
         return jax.tree_util.tree_map(lambda a, b: jax.device_put(a, b.sharding), loaded, fresh)
     old_nn, old_ll = meta["mesh"]["node"], meta["mesh"]["local"]
     old_n = old_nn * old_ll
@@ -506,4 +516,11 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
             else L.unflatten(m, old, new)
             for m, old, new in zip(mass, old_layouts, target.layouts[1], strict=True)
         )
+    # Split on another axis here (another device count or layout version): laid out again.
+    mass = tuple(
+        jax.jit(L.relayout, static_argnums=(1, 2))(m, old, new)
+        if m is not None and old.axis != new.axis and tuple(m.shape) == old.stored_shape
+        else m
+        for m, old, new in zip(mass, old_layouts, target.layouts[1], strict=True)
+    )
     return R.respread(mass, target.layouts[1], target.config, target.mesh)

@@ -449,11 +449,11 @@ def _from_bits(xs: list[Any], dtypes: list[Any]) -> list[Any]:
 
 def _as_layer_rows(piece: jax.Array, layout: part.LeafLayout, num_devices: int) -> jax.Array:
     """One layer's reduced gradient piece in the shape it is stacked in: a stacked leaf's
-    device rows, `(padded_rows / N, *row_shape[1:])`, as it is stored (`partition`), so
+    device block of the layer, `layout.block_shape(N)`, as it is stored (`partition`), so
     that the stack of every layer's is the stored gradient, written in place (XLA copies a
     stack written flat and then reshaped); as it is otherwise."""
     if layout.stacked and not layout.tensor_parallel:
-        return piece.reshape(layout.padded_rows // num_devices, *layout.row_shape[1:])
+        return piece.reshape(layout.block_shape(num_devices))
     return piece
 
 

@@ -8,10 +8,10 @@ state mirrors those shapes; a state leaf shaped like a parameter (a moment, a tr
 kept between steps in the parameter's stored layout (`partition`), padding zero, and every
 other leaf (counts, factored statistics) replicated.
 
-Because the stored layout pads whole rows (`partition.with_devices`) and keeps a leaf's
-rank (a stacked leaf is `(layers, padded rows, ...)`), a view is a crop of the padded rows,
-each device's rows stay where they are, and where the device count divides the rows the
-view is the stored array itself: elementwise transforms (Adam, Lion, SGD) add no
+Because the stored layout pads whole rows of one axis (`partition.with_devices`) and
+keeps a leaf's rank (a stacked leaf is `(layers, *padded row)`), a view is a crop of that
+axis, each device's block stays where it is, and where the device count divides the axis
+the view is the stored array itself: elementwise transforms (Adam, Lion, SGD) add no
 collective and no copy (XLA updates the stored moments in place). A transform that reads
 more than a device's rows (Muon's matrix products) makes XLA gather inside the update;
 those collectives sit under the named scope `UPDATE_SCOPE`, and the ledger lists them as
@@ -36,13 +36,14 @@ UPDATE_SCOPE = "zeropp_update"
 
 
 def view_spec(layout: part.LeafLayout) -> P:
-    """How the model-shaped view of a stored leaf is sharded: its row axis (axis 0; a
-    stacked leaf's axis 1) over the data-parallel axes, a tensor-parallel leaf's
-    `model_dim` over `model` (both on one axis, `model` first, when they coincide)."""
+    """How the model-shaped view of a stored leaf is sharded: the axis its stored layout
+    splits (`LeafLayout.padded_axis`; a tensor-parallel leaf's first row axis) over the
+    data-parallel axes, a tensor-parallel leaf's `model_dim` over `model` (both on one
+    axis, `model` first, when they coincide)."""
     if not layout.sharded:
         return part.REPLICATED
     dims: list[Any] = [None] * len(layout.shape)
-    row = 1 if layout.stacked else 0
+    row = (1 if layout.stacked else 0) if layout.tensor_parallel else layout.padded_axis
     dims[row] = part.DP_AXES
     if layout.tensor_parallel:
         d = layout.model_dim
@@ -71,7 +72,7 @@ def to_view(x: jax.Array, layout: part.LeafLayout, mesh: Mesh) -> jax.Array:
     if not layout.sharded:
         return x
     if not layout.tensor_parallel:
-        axis = 1 if layout.stacked else 0
+        axis = layout.padded_axis
         v = (
             x
             if x.shape == layout.shape

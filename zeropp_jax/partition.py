@@ -3,19 +3,23 @@
 A float leaf is cast to float32 (the master copy) and sharded over all `N` devices with
 `('local', 'node')` (see `collectives` for why that order):
 
-- a leaf of rank 1 or 2, `(d0, ...)`, is zero-padded to `ceil(d0 / N) * N` rows and
-  sharded along axis 0 (`PartitionSpec(('local', 'node'))`): each device holds whole rows.
-- a leaf of rank >= 3, `(d0, d1, ...)`, is treated as stacked (`(layers, rows, cols)`, as
-  `nn.scan`, `nnx.scan` and MaxText lay out LLM blocks): axis 0 is kept whole and each
-  slice along it is zero-padded in rows, `d1` to `ceil(d1 / N) * N`: stored
-  `(d0, ceil(d1 / N) * N, d2, ...)`, sharded along axis 1 (`PartitionSpec(None, ('local',
-  'node'))`). A scan over the layer axis finds each layer's slice sharded and padded on
-  its own; the layer axis is never split or padded. Within a layer each device holds whole
-  rows of the slice (contiguous values, `C / N` of the `C = ceil(d1 / N) * N * d2 * ...`),
-  so that the model-shaped view of the leaf (`zeropp_jax.optimizer_view`) is a crop of the
-  padded rows, per device, and no reshape at all when `N` divides `d1`: the optimizer
+- a leaf of rank 1 or 2 is one *row*; a leaf of rank >= 3, `(d0, d1, ...)`, is treated
+  as stacked (`(layers, row...)`, as `nn.scan`, `nnx.scan` and MaxText lay out LLM
+  blocks): axis 0 is kept whole, never split or padded, and each slice along it is a row.
+  A scan over the layer axis finds each layer's slice sharded and padded on its own.
+- a row is split over the `N` devices on one of its axes, `fit_axis(row_shape, N)`: its
+  first axis unless padding that to a multiple of `N` would store more than `RATIO_LIMIT`
+  (1.05) times its values; then the axis that pads least (`N` divides it, where one does).
+  That axis is zero-padded to `ceil(d / N) * N` and sharded (`leaf_spec`:
+  `PartitionSpec(('local', 'node'))` on axis 0 of an unstacked leaf, `PartitionSpec(None,
+  ..., ('local', 'node'))` further in). A conv kernel `(3, 3, 64, 64)` on 8 devices is
+  split on its axis 2, `(3, 3, 8, 64)` per device, where the first-axis rule stored it
+  `(3, 8, 64, 64)`, 2.67x its share.
+- so the model-shaped view of the leaf (`zeropp_jax.optimizer_view`) is a crop of the
+  padded axis, per device, and no reshape at all when `N` divides it: the optimizer
   updates the stored arrays in place. Inside the island a device's shard is flattened per
-  layer, `(d0, C / N)`.
+  layer, `(d0, C / N)` (`C` the padded row's values); a gathered leaf's pieces are put back
+  in place along the split axis (`join_blocks`).
 
 A stacked leaf's per-layer vectors (biases, norm scales: `(layers, width)`, rank 2) have
 the rank-2 layout: they are small, and a scan gathers them whole (see `placement`).
@@ -67,11 +71,16 @@ REFERENCE_SPEC = P("local")
 `(padded_size,)`, each local rank's secondary shard, the same on every node."""
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-LAYOUT_VERSION = 3
-"""The stored layout's version (see `with_devices`); checkpoints record it. Version 3
-stores a stacked leaf in its padded model shape, `(d0, padded rows, d2, ...)`; version 2
-(the same values) flattened each layer, `(d0, C)`; version 1 also padded the flattened
-values rather than rows (`zeropp_jax.checkpoint` restores all three)."""
+LAYOUT_VERSION = 4
+"""The stored layout's version (see `with_devices`); checkpoints record it. Version 4
+splits each kept row on the axis that fits the device count (`fit_axis`); version 3 always
+split its first axis, storing a stacked leaf in its padded model shape, `(d0, padded rows,
+d2, ...)`; version 2 (the same values) flattened each layer, `(d0, C)`; version 1 also
+padded the flattened values rather than rows (`zeropp_jax.checkpoint` restores all four)."""
+RATIO_LIMIT = 1.05
+"""A kept row is split on its first axis unless that pads it above this many times its
+values (`fit_axis`); a leaf stored above it is named at `TrainState.create`
+(`zeropp_jax.stored_share`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +92,15 @@ class LeafLayout:
       dtype: original dtype name.
       sharded: True for float leaves with at least one dimension (sharded float32 master
         copy); False for replicated leaves.
-      padded: rank <= 2, the rows after padding (axis 0 is sharded); rank >= 3, `C`, the
-        values per kept row (one layer) after padding (axis 0 is kept whole; stored with
-        those values as `(padded_rows, *row_shape[1:])`); tensor-parallel, `C`, the
-        values of one `model` slice (one layer's, stacked) after padding; 0 if not sharded.
+      padded: rank <= 2, the length of the split axis (`axis`) after padding; rank >= 3,
+        `C`, the values per kept row (one layer) after padding (axis 0 is kept whole;
+        stored with those values as `padded_row_shape`); tensor-parallel, `C`, the values
+        of one `model` slice (one layer's, stacked) after padding; 0 if not sharded.
       model_dim: the axis of `shape` split over the `model` mesh axis (tensor
         parallelism), or None.
       model_size: `K`, the number of `model` slices (1 without tensor parallelism).
+      axis: the axis of `row_shape` that padding lengthens and the data-parallel devices
+        split (`fit_axis`); 0 for a tensor-parallel leaf.
     """
 
     shape: tuple[int, ...]
@@ -98,6 +109,7 @@ class LeafLayout:
     padded: int
     model_dim: int | None = None
     model_size: int = 1
+    axis: int = 0
 
     @property
     def tensor_parallel(self) -> bool:
@@ -146,11 +158,18 @@ class LeafLayout:
 
     @property
     def padded_rows(self) -> int:
-        """Rows of one kept row after padding (`row_shape[0]` rounded up to the device
-        count; rank <= 2 without tensor parallelism: `padded`)."""
+        """The length of the kept row's split axis (`row_shape[axis]`) after padding, a
+        multiple of the device count (rank <= 2 without tensor parallelism: `padded`)."""
         if not (self.stacked or self.tensor_parallel):
             return self.padded
-        return self.padded // math.prod(self.row_shape[1:])
+        return self.padded // (math.prod(self.row_shape) // self.row_shape[self.axis])
+
+    @property
+    def padded_row_shape(self) -> tuple[int, ...]:
+        """`row_shape` with its split axis padded (`padded_rows`)."""
+        shape = list(self.row_shape)
+        shape[self.axis] = self.padded_rows
+        return tuple(shape)
 
     @property
     def padded_cols(self) -> int:
@@ -158,15 +177,16 @@ class LeafLayout:
         parallel: of one `model` slice)."""
         if self.stacked or self.tensor_parallel:
             return self.padded
-        return self.padded * math.prod(self.shape[1:])
+        return math.prod(self.padded_row_shape)
 
     @property
     def padded_axis(self) -> int:
-        """The axis of the stored leaf that padding lengthens (-1: the last): 1 for a
-        stacked leaf, the last for a tensor-parallel one, else 0."""
+        """The axis of the stored leaf that padding lengthens and the devices split (-1:
+        the last): `axis`, one further for a stacked leaf, the last for a tensor-parallel
+        one."""
         if self.tensor_parallel:
             return -1
-        return 1 if self.stacked else 0
+        return self.axis + (1 if self.stacked else 0)
 
     @property
     def padded_length(self) -> int:
@@ -185,8 +205,8 @@ class LeafLayout:
                 return (self.lead, self.model_size, self.padded)
             return (self.model_size, self.padded)
         if self.stacked:
-            return (self.lead, self.padded_rows, *self.row_shape[1:])
-        return (self.padded, *self.shape[1:])
+            return (self.lead, *self.padded_row_shape)
+        return self.padded_row_shape
 
     @property
     def padded_size(self) -> int:
@@ -194,6 +214,14 @@ class LeafLayout:
         if not self.sharded:
             return self.size
         return self.lead * self.model_size * self.padded_cols
+
+    def block_shape(self, num_devices: int) -> tuple[int, ...]:
+        """One device's block of one kept row (not tensor-parallel): `padded_row_shape`
+        with the split axis divided by `num_devices`. A device's piece is its block of
+        every kept row, flattened in order."""
+        shape = list(self.padded_row_shape)
+        shape[self.axis] //= num_devices
+        return tuple(shape)
 
 
 def leaf_layout(path: str, x: Any, num_devices: int) -> LeafLayout:
@@ -220,30 +248,61 @@ def leaf_layout(path: str, x: Any, num_devices: int) -> LeafLayout:
     return with_devices(LeafLayout(shape, dtype.name, sharded, 0), num_devices)
 
 
+def fit_axis(row_shape: tuple[int, ...], num_devices: int) -> int:
+    """The axis of a kept row (`LeafLayout.row_shape`) to split over `num_devices`
+    devices: its first, unless padding that to a multiple of `num_devices` stores more
+    than `RATIO_LIMIT` times the row's values; then the axis that pads least (the first of
+    equals). A conv kernel's row `(3, 64, 64)` on 8 devices splits axis 1: 1.0x its
+    values, where axis 0 would store 2.67x."""
+
+    def ratio(d: int) -> float:
+        return -(-d // num_devices) * num_devices / d
+
+    if ratio(row_shape[0]) <= RATIO_LIMIT:
+        return 0
+    return min(range(len(row_shape)), key=lambda i: (ratio(row_shape[i]), i))
+
+
+def view_axis(shape: tuple[int, ...], num_devices: int) -> int:
+    """The axis of a model-shaped leaf of `shape` (not tensor-parallel, rank >= 1) that the
+    stored layout splits over `num_devices` data-parallel devices, counted in the leaf's
+    own axes: `fit_axis` of its row, one further for a stacked leaf (rank >= 3). Whoever
+    reshards a model-shaped view (`zeropp_jax.distributed_muon`) reads it here rather than
+    from the value's type, which does not carry it under `jax.jit`."""
+    if len(shape) >= 3:
+        return 1 + fit_axis(tuple(shape[1:]), num_devices)
+    return fit_axis(tuple(shape), num_devices)
+
+
 def with_devices(
     layout: LeafLayout, num_devices: int, *, version: int = LAYOUT_VERSION
 ) -> LeafLayout:
     """The layout of the same leaf padded for `num_devices` data-parallel devices.
 
-    `version` 3 (this one) and 2 pad whole rows: a stacked or tensor-parallel leaf's kept
-    row (one layer, one `model` slice) is padded along its first axis (`row_shape[0]`) to a
-    multiple of `num_devices`, so that every device holds whole rows and the model-shaped
-    view is a crop (they differ only in how a stacked leaf is stored, see
-    `LAYOUT_VERSION`). `version` 1 (checkpoints written before) padded the kept row's
-    flattened values to a multiple of `num_devices`.
+    Versions 2 to 4 pad whole rows: a kept row (the leaf; one layer of a stacked leaf; one
+    `model` slice of a tensor-parallel one) is padded along one axis to a multiple of
+    `num_devices`, so that every device holds a block of whole rows of that axis and the
+    model-shaped view is a crop. Version 4 (this one) picks that axis with `fit_axis`; 3
+    and 2 always padded the first (they differ only in how a stacked leaf is stored, see
+    `LAYOUT_VERSION`); a tensor-parallel leaf pads the first in every version. Version 1
+    (checkpoints written before) padded a stacked or tensor-parallel row's flattened values
+    to a multiple of `num_devices`.
     """
     if not layout.sharded:
         return layout
-    if not (layout.stacked or layout.tensor_parallel):
-        n = layout.shape[0]
-        return dataclasses.replace(layout, padded=-(-n // num_devices) * num_devices)
-    if version == 1:
-        return dataclasses.replace(layout, padded=-(-layout.cols // num_devices) * num_devices)
-    if version not in (2, LAYOUT_VERSION):
-        raise ValueError(f"layout version must be 1, 2 or {LAYOUT_VERSION}, got {version!r}.")
-    rows, *rest = layout.row_shape
-    per_row = math.prod(rest)
-    return dataclasses.replace(layout, padded=-(-rows // num_devices) * num_devices * per_row)
+    if version not in (1, 2, 3, LAYOUT_VERSION):
+        raise ValueError(f"layout version must be 1 to {LAYOUT_VERSION}, got {version!r}.")
+    structured = layout.stacked or layout.tensor_parallel
+    if version == 1 and structured:
+        padded = -(-layout.cols // num_devices) * num_devices
+        return dataclasses.replace(layout, padded=padded, axis=0)
+    fits = version >= 4 and not layout.tensor_parallel
+    axis = fit_axis(layout.row_shape, num_devices) if fits else 0
+    rows = layout.row_shape[axis]
+    padded = -(-rows // num_devices) * num_devices
+    if structured:
+        padded *= math.prod(layout.row_shape) // rows
+    return dataclasses.replace(layout, padded=padded, axis=axis)
 
 
 def with_model_split(
@@ -313,10 +372,9 @@ def from_master(x: jax.Array, layout: LeafLayout, dtype: Any = None) -> jax.Arra
     if layout.sharded:
         if layout.tensor_parallel:
             x = _join_model(x[..., : layout.cols], layout, False)
-        elif layout.stacked:
-            x = x[:, : layout.shape[1]]
         else:
-            x = x[: layout.shape[0]]
+            axis = layout.padded_axis
+            x = lax.slice_in_dim(x, 0, layout.shape[axis], axis=axis)
     return x.astype(layout.dtype if dtype is None else dtype)
 
 
@@ -332,6 +390,23 @@ def resize_padding(x: jax.Array, layout: LeafLayout) -> jax.Array:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, want - have)
     return jnp.pad(x, pad)
+
+
+def join_blocks(x: jax.Array, layout: LeafLayout, lead: int) -> jax.Array:
+    """Every device's block, `(N, *lead dims, *block_shape)` (`lead` leading axes kept
+    whole, e.g. a stacked leaf's layers), -> the padded rows they are blocks of, `(*lead
+    dims, *padded_row_shape)`. Not tensor-parallel."""
+    at = lead + layout.axis
+    x = jnp.moveaxis(x, 0, at)
+    return x.reshape(*x.shape[:at], x.shape[at] * x.shape[at + 1], *x.shape[at + 2 :])
+
+
+def split_blocks(x: jax.Array, layout: LeafLayout, lead: int, num_devices: int) -> jax.Array:
+    """Inverse of `join_blocks`: `(*lead dims, *padded_row_shape)` -> `(N, *lead dims,
+    *block_shape)`."""
+    at = lead + layout.axis
+    x = x.reshape(*x.shape[:at], num_devices, x.shape[at] // num_devices, *x.shape[at + 1 :])
+    return jnp.moveaxis(x, at, 0)
 
 
 def unpiece(
@@ -358,11 +433,12 @@ def unpiece(
             x = jnp.swapaxes(x, 1, 2).reshape(k, layout.lead, layout.padded)
             return _join_model(jnp.swapaxes(x[..., : layout.cols], 0, 1), layout, False)
         return _join_model(full[:, : layout.cols], layout, layer)
-    if not layout.stacked:
-        return full.reshape(layout.stored_shape)[: layout.shape[0]]
-    lead = 1 if layer else layout.lead
-    x = full.reshape(num_devices, lead, layout.padded // num_devices)
-    x = jnp.swapaxes(x, 0, 1).reshape(lead, layout.padded)[:, : layout.cols]
+    lead = (layout.lead,) if layout.stacked and not layer else ()
+    x = join_blocks(
+        full.reshape(num_devices, *lead, *layout.block_shape(num_devices)), layout, len(lead)
+    )
+    at = len(lead) + layout.axis
+    x = lax.slice_in_dim(x, 0, layout.row_shape[layout.axis], axis=at)
     return x.reshape(layout.shape[1:] if layer else layout.shape)
 
 
@@ -378,11 +454,13 @@ def piece(shard: jax.Array, layout: LeafLayout) -> jax.Array:
 
 
 def pieces_to_stored(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
-    """`(padded_size,)` in piece order (a reference, a missing mass) -> the stored shape."""
-    if not layout.stacked:
+    """`(padded_size,)` in piece order (a reference, a missing mass) -> the stored shape.
+    A tensor-parallel leaf's pieces are `(K, values)`: reshaped as they are."""
+    if layout.tensor_parallel:
         return x.reshape(layout.stored_shape)
-    x = x.reshape(num_devices, layout.lead, layout.padded // num_devices)
-    return jnp.swapaxes(x, 0, 1).reshape(layout.stored_shape)
+    lead = (layout.lead,) if layout.stacked else ()
+    blocks = x.reshape(num_devices, *lead, *layout.block_shape(num_devices))
+    return join_blocks(blocks, layout, len(lead))
 
 
 def island_shard(shard: jax.Array, layout: LeafLayout) -> jax.Array:
@@ -396,10 +474,10 @@ def island_shard(shard: jax.Array, layout: LeafLayout) -> jax.Array:
 
 def stored_to_pieces(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
     """Inverse of `pieces_to_stored`."""
-    if not layout.stacked:
+    if layout.tensor_parallel:
         return x.reshape(-1)
-    x = x.reshape(layout.lead, num_devices, layout.padded // num_devices)
-    return jnp.swapaxes(x, 0, 1).reshape(-1)
+    lead = 1 if layout.stacked else 0
+    return split_blocks(x, layout, lead, num_devices).reshape(-1)
 
 
 def layer_of_pieces(x: jax.Array, layers: int, piece: int, layer: Any) -> jax.Array:
@@ -427,7 +505,7 @@ def leaf_spec(layout: LeafLayout) -> P:
         return REPLICATED
     if layout.tensor_parallel:
         return P(None, MODEL_AXIS, DP_AXES) if layout.stacked else P(MODEL_AXIS, DP_AXES)
-    return ROW_PARAM_SPEC if layout.stacked else PARAM_SPEC
+    return P(*([None] * layout.padded_axis), DP_AXES)
 
 
 def manual_spec(layout: LeafLayout) -> P:

@@ -34,7 +34,7 @@ def layout(stored: part.LeafLayout, axis: int, num_devices: int) -> part.LeafLay
     rows = -(-shape[0] // num_devices)
     rest = math.prod(shape[1:]) // shape[axis]
     moved = (shape[axis], shape[0], *(d for k, d in enumerate(shape[1:], 1) if k != axis))
-    return dataclasses.replace(stored, shape=moved, padded=rows * num_devices * rest)
+    return dataclasses.replace(stored, shape=moved, padded=rows * num_devices * rest, axis=0)
 
 
 def layers_to_front(shard: jax.Array, stored: part.LeafLayout, axis: int) -> jax.Array:
@@ -57,8 +57,9 @@ def layers_to_front(shard: jax.Array, stored: part.LeafLayout, axis: int) -> jax
     x = jnp.pad(shard, ((0, rows * n - shape[0]), (0, 0))).reshape(n, rows, shard.shape[1])
     # Block j of rows goes to device j; device j receives every device's column piece.
     x = lax.all_to_all(x, axes, 0, 0, tiled=True)
-    x = jnp.swapaxes(x.reshape(n, rows, -1), 0, 1).reshape(rows, -1)[:, : stored.cols]
-    x = jnp.moveaxis(x.reshape(rows, *shape[1:]), axis, 0)
+    x = part.join_blocks(x.reshape(n, rows, *stored.block_shape(n)), stored, 1)
+    x = lax.slice_in_dim(x, 0, stored.row_shape[stored.axis], axis=1 + stored.axis)
+    x = jnp.moveaxis(x, axis, 0)
     return x.reshape(shape[axis], -1)
 
 
@@ -106,6 +107,8 @@ def reference_to_front(
     # (source node, source local, target node, ...): local rank l2 gets its row blocks.
     x = lax.all_to_all(x, local_axis, 1, 1, tiled=True)
     # Per target node: the rows of its block, column blocks in partition order (l, n').
-    x = jnp.transpose(x, (2, 3, 1, 0, 4)).reshape(nn, rows, -1)[:, :, : stored.cols]
-    x = jnp.moveaxis(x.reshape(nn, rows, *shape[1:]), axis + 1, 1)
+    x = jnp.transpose(x, (2, 3, 1, 0, 4)).reshape(nn, rows, n, *stored.block_shape(n))
+    x = part.join_blocks(jnp.moveaxis(x, 2, 0), stored, 2)
+    x = lax.slice_in_dim(x, 0, stored.row_shape[stored.axis], axis=2 + stored.axis)
+    x = jnp.moveaxis(x, axis + 1, 1)
     return x.reshape(-1)

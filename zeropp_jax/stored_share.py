@@ -1,12 +1,14 @@
 """How far each stored parameter leaf exceeds its share of the state, and why.
 
 A leaf's share on `N` data-parallel devices is `size / N` of its values per device. The
-stored layout (`zeropp_jax.partition`) keeps whole rows on each device: a leaf of rank 1
-or 2 pads its rows (axis 0) to a multiple of `N`; a leaf of rank 3 or more keeps axis 0
-whole as a layer axis and pads each slice's rows (axis 1); a tensor-parallel leaf pads
-each `model` slice's rows. The master weights, the optimizer moments that mirror them and
-every gather of the leaf carry that padding, so a leaf stored at `r` times its share costs
-`r` times its share in memory and bytes (the ledger counts the padded bytes).
+stored layout (`zeropp_jax.partition`) splits one axis of each kept row (the leaf; each
+slice of a leaf of rank 3 or more, whose axis 0 is kept whole as a layer axis) into
+blocks of whole rows, one per device, padding that axis to a multiple of `N`: the first
+axis, unless another pads less and the first more than `RATIO_LIMIT` times
+(`partition.fit_axis`); a tensor-parallel leaf pads each `model` slice's first axis. The
+master weights, the optimizer moments that mirror them and every gather of the leaf carry
+that padding, so a leaf stored at `r` times its share costs `r` times its share in memory
+and bytes (the ledger counts the padded bytes).
 
 `over_share` names the leaves stored above `RATIO_LIMIT` times their share, with the
 reason; `TrainState.create` warns once with that list (`StoredAboveShareWarning`), so the
@@ -20,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from zeropp_jax import partition
 from zeropp_jax.partition import LeafLayout
 
-RATIO_LIMIT = 1.05
+RATIO_LIMIT = partition.RATIO_LIMIT
 """A leaf stored above this many times its share is named."""
 EXEMPT_BYTES = 64 * 1024
 """Leaves whose float32 master weights are smaller than this (16,384 values) are not named."""
@@ -67,21 +70,25 @@ def padding_reason(layout: LeafLayout, num_devices: int) -> str:
     """Why `layout` stores more than its values, in words."""
     if not layout.sharded:
         return f"not sharded ({layout.dtype}): stored whole on each of {num_devices} devices"
-    rows, padded = layout.row_shape[0], layout.padded_rows
+    axis = layout.axis
+    rows, padded = layout.row_shape[axis], layout.padded_rows
     if layout.tensor_parallel:
         where = f"each of its {layout.model_size} 'model' slices"
         if layout.stacked:
             where += f" of each of its {layout.lead} layers (axis 0 kept whole)"
-    elif layout.stacked:
-        where = (
-            f"axis 0 ({layout.lead}) is kept whole as a layer axis (every leaf of rank >= 3 "
-            f"is), and each of its {layout.lead} slices"
-        )
+        why = "a tensor-parallel slice pads its first axis"
     else:
-        where = "the leaf"
+        if layout.stacked:
+            where = (
+                f"axis 0 ({layout.lead}) is kept whole as a layer axis (every leaf of rank "
+                f">= 3 is), and each of its {layout.lead} slices"
+            )
+        else:
+            where = "the leaf"
+        why = f"no axis of {layout.row_shape} divides evenly: this one pads least"
     return (
-        f"{where} pads its rows from {rows} to {padded}, a multiple of {num_devices} devices "
-        "(each device holds whole rows)"
+        f"{where} pads its axis {layout.padded_axis} from {rows} to {padded}, a multiple of "
+        f"{num_devices} devices ({why}; each device holds a block of whole rows of it)"
     )
 
 
@@ -134,6 +141,7 @@ def warning_text(excess: Sequence[Excess], layouts: Sequence[LeafLayout], n: int
             f"{e.excess_bytes / 2**20:.3f} MiB of padding per device in float32; {e.reason}"
         )
     lines.append(
-        "A device count that divides these rows stores them exactly (zeropp_jax.stored_share)."
+        "A device count that divides one of a leaf's axes (a stacked leaf's: one after "
+        "axis 0) stores it exactly (zeropp_jax.stored_share)."
     )
     return "\n".join(lines)
