@@ -151,7 +151,41 @@ def axis_one():
     return model.apply, model.init(jax.random.key(0), data(0)["x"])["params"]
 
 
-PLACED = {"axis_one": axis_one, "lax_mix": lax_mix}
+def split_inner():
+    """Leaves whose first axis does not divide over 8 devices, so that the stored layout
+    splits another (`partition.fit_axis`): a scan over `heads` `(LAYERS, 12, 1, 8)`, split
+    on its last axis, and `back` `(LAYERS, 8, 12)`, on its rows; `up` `(12, WIDTH)`, on its
+    columns, outside the loop."""
+    rs = np.random.RandomState(5)
+
+    def w(*shape):
+        return (rs.randn(*shape) / np.sqrt(shape[-2])).astype(np.float32)
+
+    params = {
+        "down": w(WIDTH, 12),
+        "heads": w(LAYERS, 12, 1, 8),
+        "back": w(LAYERS, 8, 12),
+        "up": w(12, WIDTH),
+    }
+
+    def apply(variables, x):
+        p = variables["params"]
+
+        def block(h, ws):
+            heads, back = ws
+            u = jnp.tanh(jnp.einsum("bd,dhk->bhk", h, heads).reshape(h.shape[0], 8))
+            return h + jnp.tanh(u @ back), None
+
+        h, _ = jax.lax.scan(block, x @ p["down"], (p["heads"], p["back"]))
+        return h @ p["up"]
+
+    return apply, params
+
+
+PLACED = {"axis_one": axis_one, "lax_mix": lax_mix, "split_inner": split_inner}
+SPLIT_AXES = {"split_inner": {"back": 0, "down": 0, "heads": 2, "up": 1}}
+"""Per model, the axis of each leaf's row (`LeafLayout.axis`) the stored layout splits,
+where it is not the first."""
 
 
 LAYER = WIDTH * WIDTH * 4
@@ -160,6 +194,8 @@ FORWARD_GATHERS = {
     "axis_one": {LAYER: LAYERS},
     # last, mapped, sliced and counted: a (WIDTH, WIDTH) layer each; nested: a block of two.
     "lax_mix": {LAYER: 4 * LAYERS, 2 * LAYER: LAYERS},
+    # heads and back: 96 values a layer each, unpadded on their split axes.
+    "split_inner": {96 * 4: 2 * LAYERS},
 }
 """Per model, the whole-layer forward gathers it makes: bytes of one -> how many."""
 
@@ -172,6 +208,10 @@ def test_stacked_weights_are_gathered_per_layer_wherever_the_layer_axis_is(kind)
     state = zpp.TrainState.create(
         apply_fn=apply, params=params, tx=TX, mesh=mesh, config=zpp.ZeroPPConfig(**EXACT)
     )
+    if kind in SPLIT_AXES:
+        names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+        axes = {n[2:-2]: lo.axis for n, lo in zip(names, state.layouts[1], strict=True)}
+        assert axes == SPLIT_AXES[kind]
     step = zpp.shard(train_step)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing falls back to a whole-leaf gather
@@ -251,10 +291,12 @@ KEPT_CASES = {
     "delta": (stacked, "delta", WIDTH * 2 * WIDTH * 4, 2),
     "delta_feedback": (stacked, "delta_feedback", WIDTH * 2 * WIDTH * 4, 2),
     "delta_axis_one": (axis_one, "delta", WIDTH * WIDTH * 4, 1),
+    "delta_split_inner": (split_inner, "delta", 96 * 4, 2),
 }
 """Per case: the model, the config, bytes of one gathered float32 layer of each stacked
 matrix, and how many stacked matrices. `axis_one` stores its layer axis at 1: its
-reference is re-laid out per step by one all-to-all over `local`."""
+reference is re-laid out per step by one all-to-all over `local`. `split_inner`'s stacks
+are split on an inner axis (`SPLIT_AXES`)."""
 
 
 @pytest.mark.parametrize("name", list(KEPT_CASES))
