@@ -298,3 +298,18 @@ def test_apply_gradients_refuses_to_replace_the_references_carrier():
     grads = jax.jit(jax.grad(lambda p: loss_of(state.apply_fn, p, batch(0))))(state.params)
     with pytest.raises(ValueError, match="carries the weight references"):
         state.apply_gradients(grads=grads, apply_fn=state.apply_fn)
+
+
+def test_references_follow_the_mesh_platform_not_the_default_backend(monkeypatch):
+    """A CPU mesh on a host whose default backend is a GPU: the references are built with
+    the codec the mesh's platform resolves (XLA's on CPU), as the island's gathers are;
+    `jax.default_backend()` would pick the compiled Pallas kernels, which cannot run here."""
+    want, _ = make_state(DELTA)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    got, _ = make_state(DELTA)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(got.weight_ref),
+        jax.tree_util.tree_leaves(want.weight_ref),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

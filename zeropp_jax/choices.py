@@ -3,12 +3,20 @@ and the stochastic-rounding keys."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from zeropp_jax import weight_gather
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.quant import XLA_CODEC, Codec, is_float_format
+
+
+def mesh_platform(mesh: Any) -> str:
+    """The platform of `mesh`'s devices ("cpu", "gpu", ...): what the island compiles for,
+    whatever `jax.default_backend()` says (a CPU mesh on a GPU host is "cpu")."""
+    return mesh.devices.flat[0].platform
 
 
 def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:

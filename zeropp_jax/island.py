@@ -32,7 +32,7 @@ from zeropp_jax import (
 )
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
-from zeropp_jax.choices import gather_spec, resolve_codec, rounding_key
+from zeropp_jax.choices import gather_spec, mesh_platform, resolve_codec, rounding_key
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.kernels import shard_map_mesh
 from zeropp_jax.mesh import data_parallel_size
@@ -70,7 +70,7 @@ def make_island_apply(
     leading dimension; outputs come back batch-sharded in the global view.
     """
     treedef, leaf_layouts = layouts
-    platform = mesh.devices.flat[0].platform
+    platform = mesh_platform(mesh)
     codec = resolve_codec(config, platform)
     spec = gather_spec(config, codec, platform)
     compute = jnp.dtype(config.compute_dtype)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from zeropp_jax import delta
 from zeropp_jax import partition as part
-from zeropp_jax.choices import resolve_codec
+from zeropp_jax.choices import mesh_platform, resolve_codec
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.kernels import shard_map_mesh
 
@@ -60,7 +60,7 @@ def full_weight_references(
 ) -> tuple[jax.Array | None, ...]:
     """The weight-delta references built by one full `config.weight_bits` gather across
     nodes (at `TrainState.create` and after a restore; see `zeropp_jax.delta`)."""
-    codec = resolve_codec(config)
+    codec = resolve_codec(config, mesh_platform(mesh))
     kw = dict(bits=config.weight_bits, block_size=config.weight_block_size, codec=codec)
 
     def body(shards):
@@ -78,7 +78,7 @@ def advance_weight_references(
     leaf_layouts: tuple[part.LeafLayout, ...],
 ) -> tuple[jax.Array | None, ...]:
     """The references after one delta gather of `params` (the new master parameters)."""
-    codec = resolve_codec(config)
+    codec = resolve_codec(config, mesh_platform(mesh))
     kw = dict(bits=config.weight_delta_bits, block_size=config.weight_block_size, codec=codec)
 
     def body(shards, old):
