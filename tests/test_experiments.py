@@ -358,3 +358,19 @@ def test_write_csv_heads_an_empty_table_with_its_fieldnames(tmp_path):
     assert (tmp_path / "t.csv").read_text().splitlines() == ["variant,seed"]
     with pytest.raises(ValueError, match="no rows and no fieldnames"):
         _common.write_csv(tmp_path / "u.csv", [])
+
+
+def test_gpu_overhead_counts_a_loop_body_once_per_trip():
+    """`experiments/gpu_overhead.py` reads a compiled program's kernels: a loop body's run
+    once per trip (its known trip count), a GEMM's flops `2 x output x contracted`."""
+    import gpu_overhead as go
+
+    def f(x, w):
+        return jax.lax.fori_loop(0, 5, lambda i, x: jnp.tanh(x @ w) * 2.0 + 1.0, x).sum()
+
+    x = jnp.ones((64, 64), jnp.float32)
+    ks = go.kernels(jax.jit(f).lower(x, x).compile().as_text())
+    gemms = [k for k in ks if k.flops]
+    assert sum(k.flops * k.launches for k in gemms) == 5 * 2 * 64**3
+    assert all(k.launches == 5 for k in gemms)
+    assert any(k.launches == 1 for k in ks)  # the entry's own kernels, once
