@@ -419,7 +419,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{matrices} bytes in "
         "one layer of every stacked matrix: one gather per stacked matrix per trip, each "
         "stacked matrix gathered one layer at a time (layer 0 before the loop, layer i+1 "
-        "in iteration i); the excess is layout padding (see RESULTS). The per-layer vectors "
+        "in iteration i); "
+        + (
+            "no byte more than the unpadded layers."
+            if loop_bytes == matrices
+            else f"the excess, {loop_bytes - matrices} bytes, is layout padding."
+        )
+        + " The per-layer vectors "
         "(the norm scales) are gathered whole before the loop, by design, without a warning."
         "\n\nOne change to MaxText's behaviour, on every Python: its activation sharding "
         "constraint `maxtext.utils.sharding.maybe_shard_with_name` (a "
