@@ -426,6 +426,13 @@ def restore_checkpoint(
     return restored.reset_weight_references()
 
 
+def _same_split_axes(meta: dict[str, Any], target: TrainState) -> bool:
+    """Whether the checkpoint split every leaf on the axis the target splits it on."""
+    layouts = target.layouts[1]
+    saved = L.saved_layouts(meta, layouts)
+    return all(a.axis == b.axis for a, b in zip(saved, layouts, strict=True))
+
+
 def _refs_match(meta: dict[str, Any], target: TrainState) -> bool:
     """Whether the checkpoint's weight-delta references are the target's as they are: the
     same mesh shape and split axes (so the same pieces in the same order) and, per leaf,
@@ -434,10 +441,7 @@ def _refs_match(meta: dict[str, Any], target: TrainState) -> bool:
     if not saved or want is None:
         return False
     same_mesh = meta["mesh"] == {k: int(v) for k, v in target.mesh.shape.items()}
-    layouts = target.layouts[1]
-    same_axes = all(
-        a.axis == b.axis for a, b in zip(L.saved_layouts(meta, layouts), layouts, strict=True)
-    )
+    same_axes = _same_split_axes(meta, target)
     layout = list(zip(saved["leaves"], map(tuple, saved["shapes"]), saved["dtypes"], strict=True))
     want_layout = [(int(i), tuple(r.shape), jnp.dtype(r.dtype).name) for i, r in want.items()]
     return same_mesh and same_axes and layout == want_layout
@@ -498,10 +502,7 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
     same = jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(fresh) and (
         shapes == [x.shape for x in jax.tree_util.tree_leaves(fresh)]
     )
-    same_axes = all(
-        a.axis == b.axis
-        for a, b in zip(L.saved_layouts(meta, target.layouts[1]), target.layouts[1], strict=True)
-    )
+    same_axes = _same_split_axes(meta, target)
     if same and same_axes and meta["mesh"] == {k: int(v) for k, v in target.mesh.shape.items()}:
         return jax.tree_util.tree_map(lambda a, b: jax.device_put(a, b.sharding), loaded, fresh)
     old_nn, old_ll = meta["mesh"]["node"], meta["mesh"]["local"]
