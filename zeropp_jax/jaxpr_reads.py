@@ -55,3 +55,14 @@ def count_uses(
 
     walk(jaxpr, dict(lazy_leaves))
     return counts
+
+
+def computed_from(jaxpr: jaxpr_compat.Jaxpr, inputs: set[jaxpr_compat.Var]) -> list[bool]:
+    """Per output of `jaxpr`, whether it is computed from any of `inputs` (an equation's
+    outputs count as computed from every input it reads; its inner programs are not
+    looked into, so the answer errs on the side of True)."""
+    seen = set(inputs)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jaxpr_compat.Var) and v in seen for v in eqn.invars):
+            seen.update(eqn.outvars)
+    return [isinstance(v, jaxpr_compat.Var) and v in seen for v in jaxpr.outvars]

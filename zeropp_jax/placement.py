@@ -61,6 +61,7 @@ from zeropp_jax import (
     layered_scan,
     relayout,
     tensor_parallel,
+    use_vjp,
 )
 from zeropp_jax import partition as part
 from zeropp_jax.jaxpr_reads import CHAIN_PRIMITIVES, count_uses
@@ -121,6 +122,32 @@ def _warn(ctx: Context, leaf: int, where: str) -> None:
         f"full copy is held there; the ledger shows the gather under {WHOLE_SCOPE!r}).",
         stacklevel=2,
     )
+
+
+def _shard_bytes(lazies: Sequence[Lazy]) -> int:
+    """Per-device stored bytes of the weights `lazies` stand for."""
+    return sum(lz.shard.size * lz.shard.dtype.itemsize for lz in lazies)
+
+
+def _pull(
+    run_eqn: use_vjp.Run,
+    full: Callable[[list[jax.Array]], list[jax.Array]],
+    vjp: Any,
+    acts: Sequence[Any],
+    flat: list[jax.Array],
+    cts: Any,
+) -> tuple[list[Any], list[jax.Array]]:
+    """Cotangents of one use's activations and gathered weights (`flat`, re-gathered in
+    the backward): from the forward's `vjp` (`use_vjp.forward`), or, where the forward
+    kept none (None), by running the equation again."""
+    if vjp is None:
+        _, pull = jax.vjp(lambda a, f: run_eqn(a, full(f)), acts, flat)
+        d_acts, d_flat = pull(cts)
+        return list(d_acts), list(d_flat)
+    weights, pull_full = jax.vjp(full, flat)
+    d_acts, d_weights = use_vjp.pull(vjp, acts, weights, cts)
+    (d_flat,) = pull_full(list(d_weights))
+    return d_acts, list(d_flat)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -253,27 +280,34 @@ def _at_use(
             for leaf, p, w, f in zip(leaves, pieces, wires, fixed, strict=True)
         ]
 
+    def full(flat):
+        return [_full_weight(g, lz, f) for lz, f in zip(lazies, flat, strict=True)]
+
     def run_flat(acts, flat):
-        return run_eqn(acts, [_full_weight(g, lz, f) for lz, f in zip(lazies, flat, strict=True)])
+        return run_eqn(acts, full(flat))
+
+    keep = use_vjp.keeps_residuals(run_eqn, acts, [lz.aval for lz in lazies], _shard_bytes(lazies))
 
     def forward(pieces, acts, fixed, tie):
         pieces = dataflow.tie(tie, pieces)
         wires = [g.wire(leaf, p, f) for leaf, p, f in zip(leaves, pieces, fixed, strict=True)]
-        return run_flat(acts, flats(pieces, wires, fixed, False)), (pieces, wires)
+        return flats(pieces, wires, fixed, False), (pieces, wires)
 
     @jax.custom_vjp
     def use(pieces, res, acts, fixed, tie):
-        return forward(pieces, acts, fixed, tie)[0]
+        return run_flat(acts, forward(pieces, acts, fixed, tie)[0])
 
     def use_fwd(pieces, res, acts, fixed, tie):
-        out, (pieces, wires) = forward(pieces, acts, fixed, tie)
-        return out, (pieces, wires, res, acts, fixed, tie)
+        flat, (pieces, wires) = forward(pieces, acts, fixed, tie)
+        if not keep:
+            return run_flat(acts, flat), (pieces, wires, res, acts, fixed, tie, None)
+        out, vjp = use_vjp.forward(run_eqn, acts, full(flat))
+        return out, (pieces, wires, res, acts, fixed, tie, vjp)
 
     def use_bwd(saved, cts):
-        pieces, wires, res, acts, fixed, tie = saved
+        pieces, wires, res, acts, fixed, tie, vjp = saved
         pieces, wires = dataflow.tie(cts, dataflow.tie(acts, (pieces, wires)))
-        _, pull = jax.vjp(run_flat, acts, flats(pieces, wires, fixed, True))
-        d_acts, d_flat = pull(cts)
+        d_acts, d_flat = _pull(run_eqn, full, vjp, acts, flats(pieces, wires, fixed, True), cts)
         d_pieces, d_res = [], []
         for leaf, dw, f, r in zip(leaves, d_flat, fixed, res, strict=True):
             dp, nr = g.reduce(leaf, dw, f, r, None)
@@ -338,30 +372,37 @@ def _at_shared_use(
         nth = [ctx.reductions.get(leaf, 0) for leaf in leaves]
         ctx.reductions.update({leaf: n + 1 for leaf, n in zip(leaves, nth, strict=True)})
 
-    def run_flat(acts, flat):
+    def run_eqn(acts, weights):
         merged: list[Any] = [None] * len(invals)
         for i, a in zip(act_idx, acts, strict=True):
             merged[i] = a
-        for i, lz, f in zip(lazy_idx, lazies, flat, strict=True):
-            merged[i] = _full_weight(g, lz, f)
+        for i, w in zip(lazy_idx, weights, strict=True):
+            merged[i] = w
         return jaxpr_compat.bind(eqn, merged)
+
+    def full(flat):
+        return [_full_weight(g, lz, f) for lz, f in zip(lazies, flat, strict=True)]
+
+    keep = use_vjp.keeps_residuals(run_eqn, acts, [lz.aval for lz in lazies], _shard_bytes(lazies))
 
     @jax.custom_vjp
     def use(own, flats, acts, wires, pieces, fixed):
-        return run_flat(acts, flats)
+        return run_eqn(acts, full(flats))
 
     def use_fwd(own, flats, acts, wires, pieces, fixed):
-        return run_flat(acts, flats), (acts, wires, pieces, fixed)
+        if not keep:
+            return run_eqn(acts, full(flats)), (acts, wires, pieces, fixed, None)
+        out, vjp = use_vjp.forward(run_eqn, acts, full(flats))
+        return out, (acts, wires, pieces, fixed, vjp)
 
     def use_bwd(saved, cts):
-        acts, wires, pieces, fixed = saved
+        acts, wires, pieces, fixed, vjp = saved
         pieces, wires = dataflow.tie(cts, dataflow.tie(acts, (pieces, wires)))
         again = [
             g.gather(leaf, p, w, f, True)
             for leaf, p, w, f in zip(leaves, pieces, wires, fixed, strict=True)
         ]
-        _, pull = jax.vjp(run_flat, acts, again)
-        d_acts, d_flat = pull(cts)
+        d_acts, d_flat = _pull(run_eqn, full, vjp, acts, again, cts)
         zero = functools.partial(jax.tree_util.tree_map, dataflow.zero_cotangent)
         if not ctx.per_use_reduce:
             return [], list(d_flat), list(d_acts), zero(wires), zero(pieces), zero(fixed)
