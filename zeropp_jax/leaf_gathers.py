@@ -1,0 +1,152 @@
+"""How each sharded leaf of one island is gathered and its gradient reduced: `LeafGathers`,
+the `dataflow.Gathers` that `zeropp_jax.placement` runs the model with (built by
+`zeropp_jax.island` per step, with that step's keys, references and residuals).
+
+Shapes: pieces are per device, flattened (see `partition`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from zeropp_jax import dataflow, reductions, relayout, tensor_parallel, weight_gather
+from zeropp_jax import partition as part
+
+
+def per_leaf(values: list[Any], present: list[bool]) -> tuple[Any, ...]:
+    """`values` spread over the leaves where `present`, None elsewhere."""
+    it = iter(values)
+    return tuple(next(it) if on else None for on in present)
+
+
+def residuals_per_leaf(
+    res: tuple[list[jax.Array], list[jax.Array]],
+    res_at: tuple[tuple[bool, bool], ...],
+    leaf_layouts: tuple[part.LeafLayout, ...],
+) -> tuple[weight_gather.Residuals, ...]:
+    """Per leaf, its error-feedback residuals `(hop1, hop2)` (either None where absent),
+    or `()` for a leaf that has none; `res` holds the present ones in leaf order and
+    `res_at` says, per leaf, which are present."""
+    r1, r2 = iter(res[0]), iter(res[1])
+    out: list[weight_gather.Residuals] = []
+    for i, lo in enumerate(leaf_layouts):
+        has1, has2 = res_at[i] if res_at and lo.sharded else (False, False)
+        if has1 or has2:
+            out.append((next(r1) if has1 else None, next(r2) if has2 else None))
+        else:
+            out.append(())
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafGathers:
+    """The `dataflow.Gathers` of one island: how each sharded leaf is gathered and how its
+    gradient is reduced. Pieces are per device, flattened (see `partition`).
+
+    Attributes:
+      layouts: per parameter leaf.
+      names: per parameter leaf, its path (for warnings).
+      spec: the gather spec of the config.
+      num_devices: data-parallel devices of the mesh (`node` x `local`).
+      check_vma: whether the island checks varying axes (tensor-parallel leaves run their
+        collectives in a nested shard_map over `model` that checks alike).
+      keys: per leaf, its stochastic-rounding key or None (traced).
+      refs: per leaf, its weight-delta reference or None (traced).
+      res: per leaf, its error-feedback residuals or `()` (traced).
+    """
+
+    layouts: tuple[part.LeafLayout, ...]
+    names: tuple[str, ...]
+    spec: weight_gather.GatherSpec
+    num_devices: int
+    check_vma: bool
+    keys: tuple[Any, ...]
+    refs: tuple[Any, ...]
+    res: tuple[Any, ...]
+
+    def layout(self, leaf: int) -> part.LeafLayout:
+        return self.layouts[leaf]
+
+    def name(self, leaf: int) -> str:
+        return self.names[leaf]
+
+    def fixed(self, leaf: int) -> Any:
+        return (self.keys[leaf], self.refs[leaf])
+
+    def residuals(self, leaf: int) -> Any:
+        return self.res[leaf]
+
+    def layer_fixed(self, leaf: int, fixed: Any, layout: part.LeafLayout, layer: jax.Array) -> Any:
+        key, ref = fixed
+        if ref is None:
+            return fixed
+        piece = layout.padded // self.num_devices
+        return key, part.layer_of_pieces(ref, layout.lead, piece, layer)
+
+    def relaid_fixed(self, leaf: int, fixed: Any, axis: int) -> Any:
+        key, ref = fixed
+        if ref is None:
+            return fixed
+        return key, relayout.reference_to_front(ref, self.layouts[leaf], axis)
+
+    def has_reference(self, leaf: int) -> bool:
+        return self.refs[leaf] is not None
+
+    def _per_rank(self, leaf: int, fn: Any, split: tuple, shared: tuple) -> Any:
+        """`fn(*split, *shared)`, once per `model` rank for a tensor-parallel leaf (its
+        pieces carry the `model` slices on axis 0)."""
+        if not self.layouts[leaf].tensor_parallel:
+            return fn(*split, *shared)
+        return tensor_parallel.per_model_rank(fn, split, shared, self.check_vma)
+
+    def wire(self, leaf: int, piece: jax.Array, fixed: Any) -> tuple[jax.Array, ...]:
+        ref = fixed[1]
+        if ref is None:
+            if not self.layouts[leaf].tensor_parallel:
+                return weight_gather.secondary_wire(piece, self.spec)
+            # Named outside the nested shard_map: a remat policy then saves or recomputes
+            # that shard_map whole (JAX cannot split a nested shard_map for remat).
+            fn = lambda p: weight_gather.secondary_wire(p, self.spec, named=False)  # noqa: E731
+            wire = self._per_rank(leaf, fn, (piece,), ())
+            return tuple(checkpoint_name(w, weight_gather.SECONDARY_NAME) for w in wire)
+        # Read once the piece exists (ordered like the gathers that read the shard).
+        return weight_gather.reference_wire(piece, dataflow.tie(piece, ref), self.spec)
+
+    def gather(
+        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, alternate: bool
+    ) -> jax.Array:
+        def fn(p, w):
+            return weight_gather.gather_from(p, w, self.spec, alternate_form=alternate)
+
+        return self._per_rank(leaf, fn, (piece, wire), ())
+
+    def reduce(
+        self, leaf: int, g: jax.Array, fixed: Any, residuals: Any, layer: jax.Array | None
+    ) -> tuple[jax.Array, Any]:
+        key = fixed[0]
+        if key is not None and layer is not None:
+            key = jax.random.fold_in(key, layer)
+        if self.layouts[leaf].tensor_parallel:
+
+            def fn(g, key):
+                key = reductions.model_rank_key(key, axis_name=part.MODEL_AXIS)
+                return weight_gather.reduce_gradient(g, self.spec, key)[0]
+
+            return self._per_rank(leaf, fn, (g,), (key,)), ()
+        return weight_gather.reduce_gradient(g, self.spec, key, residuals or ())
+
+    def full(
+        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, residuals: Any
+    ) -> jax.Array:
+        if self.layouts[leaf].tensor_parallel:
+
+            def fn(p, w, key):
+                key = reductions.model_rank_key(key, axis_name=part.MODEL_AXIS)
+                return weight_gather.gather_from_wire(p, w, self.spec, key)
+
+            return self._per_rank(leaf, fn, (piece, wire), (fixed[0],))
+        return weight_gather.gather_from_wire(piece, wire, self.spec, fixed[0], residuals or ())
