@@ -366,16 +366,16 @@ def test_preset_flags_give_the_config_presets():
     assert zeropp_config(parse_args(["--zero3", "--grad-rotation"])) == zpp.ZeroPPConfig.zero3()
 
 
-def test_readme_shows_the_help_the_parser_prints(monkeypatch):
+def test_docs_show_the_help_the_parser_prints(monkeypatch):
     import pathlib
 
     from zeropp_jax.train import flags
 
     monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal's width
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    shown = readme.split("<!-- help:start -->\n```text\n", 1)[1].split("```\n<!-- help:end -->")[0]
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text()
+    shown = page.split("<!-- help:start -->\n```text\n", 1)[1].split("```\n<!-- help:end -->")[0]
     assert shown == flags.build_parser().format_help(), (
-        "README.md's `zeropp-train --help` is stale: replace it with `COLUMNS=100 "
+        "docs/trainer.md's `zeropp-train --help` is stale: replace it with `COLUMNS=100 "
         "zeropp-train --help`"
     )
     # What the issue asked of it: what the program does, and examples of the common runs.
