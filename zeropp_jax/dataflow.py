@@ -16,19 +16,17 @@ from zeropp_jax import tensor_parallel
 class Gathers(Protocol):
     """What the island tells the interpreter about each sharded leaf (by leaf index).
 
-    `fixed(leaf)` (stochastic-rounding key, weight-delta reference) and `residuals(leaf)`
-    (error feedback) are traced values of the island; the interpreter passes them back
-    explicitly, so the methods below read nothing traced from the object itself.
-    `reduce`'s `layer` is folded into the leaf's stochastic-rounding key (a scan's layer
-    index, or which of a shared weight's per-use reductions it is); None: the key as is.
-    `layer_fixed` cuts a stacked leaf's `fixed` to one layer (its index along axis 0 of
-    the stack `layout` describes, traced), what a scan's iteration passes for that layer's
-    piece; `relaid_fixed` re-lays out `fixed` as `relayout.layers_to_front` does the
-    leaf's shard for a scan over `axis`.
-    `has_reference(leaf)`: the leaf's `wire` is read from a kept weight-delta reference
-    (no communication), so a loop computes it again where needed rather than keeping it.
-    `residuals(leaf)` of a stacked leaf are, like its reference, per-device pieces of the
-    whole leaf (`partition.layer_of_pieces` cuts one layer's out).
+    `fixed(leaf)` (a `leaf_gathers.Fixed`: stochastic-rounding key, weight-delta
+    reference; `.layer(i)` cuts it to one layer of a stack, `.relaid(axis)` re-lays it
+    out as `relayout.layers_to_front` does the leaf's shard, `.has_reference` says whether
+    the leaf's `wire` is read from a kept reference, no communication, so a loop computes
+    it again where needed rather than keeping it) and `residuals(leaf)` (error feedback)
+    are traced values of the island; the interpreter passes them back explicitly, so the
+    methods below read nothing traced from the object itself. `reduce`'s `layer` is folded
+    into the leaf's stochastic-rounding key (a scan's layer index, or which of a shared
+    weight's per-use reductions it is); None: the key as is. `residuals(leaf)` of a
+    stacked leaf are, like its reference, per-device pieces of the whole leaf
+    (`partition.layer_of_pieces` cuts one layer's out).
     """
 
     num_devices: int
@@ -36,11 +34,6 @@ class Gathers(Protocol):
     def layout(self, leaf: int) -> part.LeafLayout: ...
     def name(self, leaf: int) -> str: ...
     def fixed(self, leaf: int) -> Any: ...
-    def layer_fixed(
-        self, leaf: int, fixed: Any, layout: part.LeafLayout, layer: jax.Array
-    ) -> Any: ...
-    def relaid_fixed(self, leaf: int, fixed: Any, axis: int) -> Any: ...
-    def has_reference(self, leaf: int) -> bool: ...
     def residuals(self, leaf: int) -> Any: ...
     def wire(self, leaf: int, piece: jax.Array, fixed: Any) -> tuple[jax.Array, ...]: ...
     def gather(

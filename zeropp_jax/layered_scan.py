@@ -47,7 +47,7 @@ class Loop:
       plain_pos: positions in `xs` of the other operands.
       lookahead: 1 to gather one layer ahead of the one that computes, else 0.
       stored_layers: per stacked weight, the layer of the stored leaf (its axis 0) each
-        iteration reads, or None when iteration i reads layer i (what `layer_fixed`
+        iteration reads, or None when iteration i reads layer i (what `Fixed.layer`
         cuts a weight-delta reference by).
     """
 
@@ -81,12 +81,11 @@ class Loop:
 
     def fixed_at(self, fixed: list[Any], i: Any) -> list[Any]:
         """Per stacked weight, what its gather of iteration `i`'s layer reads beside the
-        piece (`Gathers.layer_fixed` of the layer that iteration reads)."""
+        piece (`Fixed.layer` of the layer that iteration reads)."""
         out = []
-        for k, (leaf, f) in enumerate(zip(self.leaves, fixed, strict=True)):
+        for k, f in enumerate(fixed):
             ids = self.stored_layers[k] if self.stored_layers else None
-            layer = i if ids is None else jnp.asarray(ids, jnp.int32)[i]
-            out.append(self.gathers.layer_fixed(leaf, f, self.layouts[k], layer))
+            out.append(f.layer(i if ids is None else jnp.asarray(ids, jnp.int32)[i]))
         return out
 
     def residuals_at(self, residuals: list[Any], i: Any) -> list[Any]:
@@ -124,7 +123,7 @@ class Loop:
     def rewired(self) -> list[bool]:
         """Per stacked weight, whether its wire is computed again in the backward loop (read
         from a kept weight-delta reference, no communication) rather than kept."""
-        return [self.gathers.has_reference(leaf) for leaf in self.leaves]
+        return [self.gathers.fixed(leaf).has_reference for leaf in self.leaves]
 
     def kept_whole(self) -> list[bool]:
         """Per stacked weight, whether its gathered layer is kept for the backward loop
@@ -195,7 +194,7 @@ def run(
       consts: the scan's constants.
       init: the scan's initial carry.
       plain: the scan's `xs` other than the stacked weights.
-      fixed: per stacked weight, `gathers.fixed(leaf)`.
+      fixed: per stacked weight, `gathers.fixed(leaf)` (re-laid out as its stack).
       tie: what the first gather waits for (None: nothing).
       feedback: per stacked weight, `gathers.residuals(leaf)` (error feedback; None: no
         weight has any). Layer i's gradient reduction reads layer i's cut of them; their

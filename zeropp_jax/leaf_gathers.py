@@ -8,6 +8,7 @@ Shapes: pieces are per device, flattened (see `partition`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -42,6 +43,57 @@ def residuals_per_leaf(
     return tuple(out)
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["key", "ref"],
+    meta_fields=["layout", "num_devices"],
+)
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+    """What one leaf's gathers and gradient reduction read beside its piece, never
+    differentiated: a pytree of traced values the interpreter passes along explicitly.
+
+    Attributes:
+      key: the leaf's stochastic-rounding key this step, or None (rounding to nearest).
+      ref: the leaf's weight-delta reference, per device (`(num_nodes * padded / N,)`,
+        see `zeropp_jax.delta`), or None without weight deltas.
+      layout: the layout `ref` is in: the leaf's stored one, or the stack's after a
+        relayout (`relaid`).
+      num_devices: data-parallel devices.
+    """
+
+    key: Any
+    ref: jax.Array | None
+    layout: part.LeafLayout
+    num_devices: int
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the leaf's wire is read from a kept weight-delta reference (no
+        communication: a loop computes it again where needed rather than keeping it)."""
+        return self.ref is not None
+
+    def layer(self, i: Any) -> Fixed:
+        """What the gather of layer `i` (traced; along axis 0 of the stack `layout`
+        describes) reads: the reference cut to that layer's pieces; the key as is (the
+        reduction folds the layer in)."""
+        if self.ref is None:
+            return self
+        piece = self.layout.padded // self.num_devices
+        return dataclasses.replace(
+            self, ref=part.layer_of_pieces(self.ref, self.layout.lead, piece, i)
+        )
+
+    def relaid(self, axis: int) -> Fixed:
+        """Re-laid out as `relayout.layers_to_front` does the leaf's shard for a scan over
+        `axis`."""
+        layout = relayout.layout(self.layout, axis, self.num_devices)
+        if self.ref is None:
+            return dataclasses.replace(self, layout=layout)
+        ref = relayout.reference_to_front(self.ref, self.layout, axis)
+        return dataclasses.replace(self, ref=ref, layout=layout)
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafGathers:
     """The `dataflow.Gathers` of one island: how each sharded leaf is gathered and how its
@@ -74,27 +126,11 @@ class LeafGathers:
     def name(self, leaf: int) -> str:
         return self.names[leaf]
 
-    def fixed(self, leaf: int) -> Any:
-        return (self.keys[leaf], self.refs[leaf])
+    def fixed(self, leaf: int) -> Fixed:
+        return Fixed(self.keys[leaf], self.refs[leaf], self.layouts[leaf], self.num_devices)
 
     def residuals(self, leaf: int) -> Any:
         return self.res[leaf]
-
-    def layer_fixed(self, leaf: int, fixed: Any, layout: part.LeafLayout, layer: jax.Array) -> Any:
-        key, ref = fixed
-        if ref is None:
-            return fixed
-        piece = layout.padded // self.num_devices
-        return key, part.layer_of_pieces(ref, layout.lead, piece, layer)
-
-    def relaid_fixed(self, leaf: int, fixed: Any, axis: int) -> Any:
-        key, ref = fixed
-        if ref is None:
-            return fixed
-        return key, relayout.reference_to_front(ref, self.layouts[leaf], axis)
-
-    def has_reference(self, leaf: int) -> bool:
-        return self.refs[leaf] is not None
 
     def _per_rank(self, leaf: int, fn: Any, split: tuple, shared: tuple) -> Any:
         """`fn(*split, *shared)`, once per `model` rank for a tensor-parallel leaf (its
@@ -103,8 +139,8 @@ class LeafGathers:
             return fn(*split, *shared)
         return tensor_parallel.per_model_rank(fn, split, shared, self.check_vma)
 
-    def wire(self, leaf: int, piece: jax.Array, fixed: Any) -> tuple[jax.Array, ...]:
-        ref = fixed[1]
+    def wire(self, leaf: int, piece: jax.Array, fixed: Fixed) -> tuple[jax.Array, ...]:
+        ref = fixed.ref
         if ref is None:
             if not self.layouts[leaf].tensor_parallel:
                 return weight_gather.secondary_wire(piece, self.spec)
@@ -117,7 +153,12 @@ class LeafGathers:
         return weight_gather.reference_wire(piece, dataflow.tie(piece, ref), self.spec)
 
     def gather(
-        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, alternate: bool
+        self,
+        leaf: int,
+        piece: jax.Array,
+        wire: tuple[jax.Array, ...],
+        fixed: Fixed,
+        alternate: bool,
     ) -> jax.Array:
         def fn(p, w):
             return weight_gather.gather_from(p, w, self.spec, alternate_form=alternate)
@@ -125,9 +166,9 @@ class LeafGathers:
         return self._per_rank(leaf, fn, (piece, wire), ())
 
     def reduce(
-        self, leaf: int, g: jax.Array, fixed: Any, residuals: Any, layer: jax.Array | None
+        self, leaf: int, g: jax.Array, fixed: Fixed, residuals: Any, layer: jax.Array | None
     ) -> tuple[jax.Array, Any]:
-        key = fixed[0]
+        key = fixed.key
         if key is not None and layer is not None:
             key = jax.random.fold_in(key, layer)
         if self.layouts[leaf].tensor_parallel:
@@ -140,7 +181,7 @@ class LeafGathers:
         return weight_gather.reduce_gradient(g, self.spec, key, residuals or ())
 
     def full(
-        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, residuals: Any
+        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Fixed, residuals: Any
     ) -> jax.Array:
         if self.layouts[leaf].tensor_parallel:
 
@@ -148,5 +189,5 @@ class LeafGathers:
                 key = reductions.model_rank_key(key, axis_name=part.MODEL_AXIS)
                 return weight_gather.gather_from_wire(p, w, self.spec, key)
 
-            return self._per_rank(leaf, fn, (piece, wire), (fixed[0],))
-        return weight_gather.gather_from_wire(piece, wire, self.spec, fixed[0], residuals or ())
+            return self._per_rank(leaf, fn, (piece, wire), (fixed.key,))
+        return weight_gather.gather_from_wire(piece, wire, self.spec, fixed.key, residuals or ())

@@ -483,7 +483,7 @@ def _place_scan(
         fixed.append(g.fixed(lz.leaf))
         if view.axis != 0:
             stack = relayout.layers_to_front(stack, lo, view.axis)
-            fixed[-1] = g.relaid_fixed(lz.leaf, fixed[-1], view.axis)
+            fixed[-1] = fixed[-1].relaid(view.axis)
             lo = relayout.layout(lo, view.axis, g.num_devices)
         layers = view.layers(length)
         if layers != list(range(lo.shape[0])):
