@@ -321,7 +321,7 @@ def test_engine_stochastic_rounding_reproducible_and_keyed_by_step():
     assert int(a.step) == int(a.apply_fn.step) == 2
     assert int(a.replace(step=jnp.array(7)).apply_fn.step) == 7
     # Keys: a pure function of (seed, step, leaf).
-    k = lambda s, i: jax.random.key_data(choices.rounding_key(SR, jnp.array(s), i))  # noqa: E731
+    k = lambda s, i: jax.random.key_data(choices.rounding_key(SR.rounding_seed, jnp.array(s), i))  # noqa: E731
     np.testing.assert_array_equal(k(3, 1), k(3, 1))
     assert not np.array_equal(k(3, 1), k(4, 1)) and not np.array_equal(k(3, 1), k(3, 2))
 

@@ -227,7 +227,7 @@ def test_restore_keeps_the_saved_reference_or_rebuilds_it_on_another_mesh(tmp_pa
     target, step2 = make_state(DELTA, mesh_shape)
     restored = zpp.restore_checkpoint(tmp_path / "ckpt", target)
     fresh = references.full_weight_references(
-        restored.params, DELTA, restored.mesh, restored.layouts[1]
+        restored.params, restored.plan, restored.mesh, restored.layouts[1]
     )
     moved = False
     same_mesh = mesh_shape == (2, 4)

@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
+from zeropp_jax import choices, make_mesh, reductions
 from zeropp_jax import feedback as F
-from zeropp_jax import make_mesh, reductions
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
 from zeropp_jax import saved_layouts as L
@@ -313,7 +313,7 @@ def test_pallas_interpret_equals_xla_with_feedback():
 def _filled_mass(layout, mesh8):
     """What random residuals of `layout` on `mesh8` owe, kept only where they stand for
     the leaf's real values (padding's gradient is 0), in its stored shape."""
-    fresh = R.zeros((layout,), EF, mesh8)
+    fresh = R.zeros((layout,), choices.resolve(EF, mesh8), mesh8)
     rng = np.random.default_rng(0)
     filled = {
         hop: tuple(
@@ -339,7 +339,7 @@ def test_missing_mass_of_a_stacked_leaf_respreads_onto_a_mesh_of_other_padding()
     assert real.shape == (3, 8, 9) and np.abs(real[:, :5]).min() > 0
     layout6 = part.with_devices(layout, 6)
     assert layout6.stored_shape == (3, 6, 9)
-    moved = R.respread((jnp.asarray(real),), (layout6,), EF, mesh6)
+    moved = R.respread((jnp.asarray(real),), (layout6,), choices.resolve(EF, mesh6), mesh6)
     (again,) = R.missing_mass(moved, (layout6,), 2, 3)
     np.testing.assert_allclose(np.asarray(again), real[:, :6], rtol=1e-6, atol=1e-6)
 
@@ -356,7 +356,9 @@ def test_missing_mass_respreads_onto_a_mesh_that_splits_another_axis():
     values = np.asarray(part.from_master(real, layout))
     assert values.shape == (3, 5, 7) and np.abs(values).min() > 0
     relaid = jax.jit(L.relayout, static_argnums=(1, 2))(real, layout, layout6)
-    moved = R.respread((jnp.asarray(np.asarray(relaid)),), (layout6,), EF, mesh6)
+    moved = R.respread(
+        (jnp.asarray(np.asarray(relaid)),), (layout6,), choices.resolve(EF, mesh6), mesh6
+    )
     (again,) = R.missing_mass(moved, (layout6,), 2, 3)
     np.testing.assert_allclose(
         np.asarray(part.from_master(again, layout6)), values, rtol=1e-6, atol=1e-6

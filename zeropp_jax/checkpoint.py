@@ -486,7 +486,7 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
     if fresh is not None and any(
         isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(fresh)
     ):  # an abstract target: its zeros, made now
-        fresh = R.zeros(target.layouts[1], target.config, target.mesh)
+        fresh = R.zeros(target.layouts[1], target.plan, target.mesh)
     if fresh is None:
         if loaded is not None:
             warnings.warn(
@@ -524,4 +524,4 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
         else m
         for m, old, new in zip(mass, old_layouts, target.layouts[1], strict=True)
     )
-    return R.respread(mass, target.layouts[1], target.config, target.mesh)
+    return R.respread(mass, target.layouts[1], target.plan, target.mesh)

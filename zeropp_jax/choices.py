@@ -1,8 +1,12 @@
-"""What a `ZeroPPConfig` implies for the island: the quantization codec, the gather spec
-and the stochastic-rounding keys."""
+"""What a `ZeroPPConfig` implies on one mesh, resolved once: `resolve(config, mesh)` is the
+`Plan` that the island, the optimizer update, the weight-delta references and the
+error-feedback residuals read (no other module reads the config's fields; a test checks),
+with the quantization codec, the gather spec and the stochastic-rounding keys."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -11,6 +15,7 @@ import jax.numpy as jnp
 from zeropp_jax import weight_gather
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.quant import XLA_CODEC, Codec, is_float_format
+from zeropp_jax.wire import Format
 
 
 def mesh_platform(mesh: Any) -> str:
@@ -108,9 +113,126 @@ def gather_spec(
     )
 
 
-def rounding_key(config: ZeroPPConfig, step: jax.Array, leaf_index: int) -> jax.Array:
+def rounding_key(seed: int, step: jax.Array, leaf_index: int) -> jax.Array:
     """The stochastic-rounding key of one parameter leaf at one step (the same on every
     device; the gradient reduction folds in the device and the hop, see
-    `reductions.hop_keys`): a pure function of `(config.rounding_seed, step, leaf_index)`."""
-    key = jax.random.fold_in(jax.random.key(config.rounding_seed), step)
+    `reductions.hop_keys`): a pure function of `(seed, step, leaf_index)`
+    (`ZeroPPConfig.rounding_seed`)."""
+    key = jax.random.fold_in(jax.random.key(seed), step)
     return jax.random.fold_in(key, leaf_index)
+
+
+def feedback_hops(config: ZeroPPConfig, num_nodes: int, local_size: int) -> tuple[bool, bool]:
+    """Whether hop 1 and hop 2 keep error-feedback residuals on this mesh.
+
+    Raises:
+      ValueError: when `config.error_feedback` is on but no hop of this mesh can carry it.
+    """
+    if config.error_feedback is None:
+        return False, False
+    hop1 = config.error_feedback == "all" and local_size > 1 and config.grad_bits is not None
+    hop2 = num_nodes > 1 and config.grad_hop2_bits is not None
+    if not (hop1 or hop2):
+        raise ValueError(
+            f"ZeroPPConfig.error_feedback={config.error_feedback!r} has no quantized gradient "
+            f"hop to act on with a mesh of {num_nodes} node(s) x {local_size} device(s) "
+            f"(grad_bits={config.grad_bits!r}, grad_node_bits={config.grad_node_bits!r}); "
+            "use error_feedback='all' on a single-node mesh, or error_feedback=None."
+        )
+    return hop1, hop2
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A `ZeroPPConfig` resolved once for one mesh (`resolve`).
+
+    Attributes:
+      platform: of the mesh's devices.
+      codec: the block-quantization implementation (`resolve_codec`).
+      spec: how every sharded weight is gathered and its gradient reduced (`gather_spec`).
+      compute_dtype: what the model computes in.
+      num_nodes: the mesh's `node` axis.
+      local_size: the mesh's `local` axis.
+      check_vma: whether the island checks varying axes (Pallas calls carry none).
+      prefetch: gather one use (one layer) ahead.
+      per_use_reduce: each use of a shared weight reduces its own gradient
+        (`shared_grad="per_use"`).
+      rounding_seed: the stochastic-rounding seed, or None when rounding to nearest.
+      reference_bits: the format of the full gather that builds weight-delta references.
+      delta_bits: the weight-delta gather's format, or None without weight deltas.
+      weight_block_size: block size of both.
+      feedback: `error_feedback` as configured ("all", "node" or None).
+      feedback_hops: whether hop 1 and hop 2 keep error-feedback residuals.
+      feedback_decay: what a kept residual is multiplied by after each step.
+      feedback_reset: residuals are zeroed after every this many steps (0: never).
+      skip_nonfinite: a step with non-finite gradients keeps the state.
+    """
+
+    platform: str
+    codec: Codec
+    spec: weight_gather.GatherSpec
+    compute_dtype: jnp.dtype
+    num_nodes: int
+    local_size: int
+    check_vma: bool
+    prefetch: bool
+    per_use_reduce: bool
+    rounding_seed: int | None
+    reference_bits: Format | None
+    delta_bits: Format | None
+    weight_block_size: int
+    feedback: str | None
+    feedback_hops: tuple[bool, bool]
+    feedback_decay: float
+    feedback_reset: int
+    skip_nonfinite: bool
+
+    @property
+    def num_devices(self) -> int:
+        """Data-parallel devices (`node` x `local`)."""
+        return self.num_nodes * self.local_size
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        return self.rounding_seed is not None
+
+    @property
+    def weight_delta(self) -> bool:
+        return self.delta_bits is not None
+
+    @property
+    def error_feedback(self) -> bool:
+        return any(self.feedback_hops)
+
+
+@functools.lru_cache(maxsize=64)
+def resolve(config: ZeroPPConfig, mesh: Any) -> Plan:
+    """The `Plan` of `config` on `mesh` (a `('node', 'local'[, 'model'])` mesh).
+
+    Raises:
+      ValueError: where the config cannot run on this mesh's platform or axes (see
+        `resolve_codec`, `feedback_hops`).
+    """
+    platform = mesh_platform(mesh)
+    codec = resolve_codec(config, platform)
+    num_nodes, local_size = mesh.shape["node"], mesh.shape["local"]
+    return Plan(
+        platform=platform,
+        codec=codec,
+        spec=gather_spec(config, codec, platform),
+        compute_dtype=jnp.dtype(config.compute_dtype),
+        num_nodes=num_nodes,
+        local_size=local_size,
+        check_vma=codec is XLA_CODEC,
+        prefetch=config.prefetch,
+        per_use_reduce=config.shared_grad == "per_use",
+        rounding_seed=config.rounding_seed if config.stochastic_rounding else None,
+        reference_bits=config.weight_bits,
+        delta_bits=config.weight_delta_bits,
+        weight_block_size=config.weight_block_size,
+        feedback=config.error_feedback,
+        feedback_hops=feedback_hops(config, num_nodes, local_size),
+        feedback_decay=config.error_feedback_decay,
+        feedback_reset=config.error_feedback_reset,
+        skip_nonfinite=config.skip_nonfinite_updates,
+    )

@@ -35,6 +35,7 @@ from zeropp_jax import (
 )
 from zeropp_jax import partition as part
 from zeropp_jax import residuals as R
+from zeropp_jax.choices import Plan, resolve
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.island import IslandApply, is_array, make_island_apply
 from zeropp_jax.mesh import data_parallel_size, mesh_shape, model_axis_size
@@ -62,7 +63,7 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 def _leaf_layouts(
-    shapes: Any, names: list[Any], mesh: Mesh, config: ZeroPPConfig
+    shapes: Any, names: list[Any], mesh: Mesh, plan: Plan
 ) -> tuple[part.LeafLayout, ...]:
     """Per parameter leaf its layout on `mesh`: ZeRO-sharded over `('node', 'local')`, and
     split over `model` where `names` (the leaf's `nn.Partitioned` names) say so."""
@@ -74,11 +75,11 @@ def _leaf_layouts(
     k = model_axis_size(mesh)
     layouts = [part.with_model_split(lo, d, k, n_dp) for lo, d in zip(layouts, dims, strict=True)]
     split = [p for p, lo in zip(paths, layouts, strict=True) if lo.tensor_parallel]
-    if split and (config.weight_delta_bits is not None or config.error_feedback is not None):
+    if split and (plan.weight_delta or plan.feedback is not None):
         raise ValueError(
             f"parameters split over 'model' ({split[0]}, ...) cannot yet be combined with "
-            f"weight_delta_bits={config.weight_delta_bits!r} or "
-            f"error_feedback={config.error_feedback!r}; set both to None for tensor "
+            f"weight_delta_bits={plan.delta_bits!r} or "
+            f"error_feedback={plan.feedback!r}; set both to None for tensor "
             "parallelism."
         )
     return tuple(layouts)
@@ -222,8 +223,9 @@ class TrainState(train_state.TrainState):
         if not isinstance(config, ZeroPPConfig):
             raise ValueError(f"config must be a zeropp_jax.ZeroPPConfig, got {type(config)}.")
         mesh_shape(mesh)
+        plan = resolve(config, mesh)
         shapes, names = tensor_parallel.unbox(state_init.shapes_of(params), rules)
-        leaf_layouts = _leaf_layouts(shapes, names, mesh, config)
+        leaf_layouts = _leaf_layouts(shapes, names, mesh, plan)
         if not abstract:
             _warn_above_share(shapes, leaf_layouts, mesh)
         treedef = jax.tree_util.tree_structure(shapes)
@@ -254,21 +256,21 @@ class TrainState(train_state.TrainState):
         step = scalar(jnp.int32(0))
         island = make_island_apply(apply_fn, mesh, config, layouts)
         refs = None
-        if config.weight_delta_bits is not None:
-            build_refs = lambda m: full_weight_references(m, config, mesh, leaf_layouts)  # noqa: E731
+        if plan.weight_delta:
+            build_refs = lambda m: full_weight_references(m, plan, mesh, leaf_layouts)  # noqa: E731
             if abstract:
                 spec = NamedSharding(mesh, part.REFERENCE_SPEC)
                 refs = state_init.placed(jax.eval_shape(build_refs, master), spec)
             else:
                 refs = build_refs(master)
         if abstract:
-            zeros = jax.eval_shape(lambda: R.zeros(leaf_layouts, config, mesh))
+            zeros = jax.eval_shape(lambda: R.zeros(leaf_layouts, plan, mesh))
             residuals = state_init.placed(zeros, NamedSharding(mesh, R.SPEC))
         else:
-            residuals = R.zeros(leaf_layouts, config, mesh)
+            residuals = R.zeros(leaf_layouts, plan, mesh)
         return cls(
             step=step,
-            apply_fn=IslandApply(island, step if config.stochastic_rounding else None, refs),
+            apply_fn=IslandApply(island, step if plan.stochastic_rounding else None, refs),
             params=R.join(master, residuals),
             tx=tx,
             opt_state=opt_state,
@@ -304,8 +306,8 @@ class TrainState(train_state.TrainState):
         finite = _all_finite(grads)
         skipped = self.skipped_steps
         if new_res is not None:
-            new_res = R.advance(new_res, self.step, self.config)
-        if self.config is not None and self.config.skip_nonfinite_updates:
+            new_res = R.advance(new_res, self.step, self.plan)
+        if self.config is not None and self.plan.skip_nonfinite:
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
             new_params = jax.tree_util.tree_map(keep, new_params, params)
             new_opt_state = jax.tree_util.tree_map(keep, new_opt_state, self.opt_state)
@@ -320,7 +322,7 @@ class TrainState(train_state.TrainState):
                     "do not replace it."
                 )
             refs = advance_weight_references(
-                new_params, self.weight_ref, self.config, self.mesh, self.layouts[1]
+                new_params, self.weight_ref, self.plan, self.mesh, self.layouts[1]
             )
             kwargs["apply_fn"] = dataclasses.replace(self.apply_fn, weight_ref=refs)
         return self.replace(
@@ -331,6 +333,12 @@ class TrainState(train_state.TrainState):
             grads_finite=finite,
             **kwargs,
         )
+
+    @property
+    def plan(self) -> Plan:
+        """The state's config resolved for its mesh (`choices.resolve`, computed once per
+        config and mesh)."""
+        return resolve(self.config, self.mesh)
 
     @property
     def weight_ref(self) -> tuple[jax.Array | None, ...] | None:
@@ -344,10 +352,10 @@ class TrainState(train_state.TrainState):
         """The state with its weight-delta references rebuilt from `params` by one full
         `config.weight_bits` gather across nodes (what `restore_checkpoint` does); the
         state itself without `config.weight_delta_bits`."""
-        if self.config is None or self.config.weight_delta_bits is None:
+        if self.config is None or not self.plan.weight_delta:
             return self
         params, _ = R.split(self.params)
-        refs = full_weight_references(params, self.config, self.mesh, self.layouts[1])
+        refs = full_weight_references(params, self.plan, self.mesh, self.layouts[1])
         return self.replace(apply_fn=dataclasses.replace(self.apply_fn, weight_ref=refs))
 
     @property

@@ -24,12 +24,10 @@ from jax.sharding import Mesh
 from zeropp_jax import partition as part
 from zeropp_jax import placement
 from zeropp_jax import residuals as R
-from zeropp_jax.choices import gather_spec, mesh_platform, resolve_codec, rounding_key
+from zeropp_jax.choices import Plan, resolve, rounding_key
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.kernels import shard_map_mesh
 from zeropp_jax.leaf_gathers import LeafGathers, per_leaf, residuals_per_leaf
-from zeropp_jax.mesh import data_parallel_size
-from zeropp_jax.quant import XLA_CODEC
 
 
 def _is_batch_leaf(x: Any) -> bool:
@@ -92,7 +90,7 @@ def _split_residuals(
     return res_at, res1, res2
 
 
-def _check_variables(variables: Any, treedef: Any, config: ZeroPPConfig) -> tuple[Any, Any]:
+def _check_variables(variables: Any, treedef: Any, plan: Plan) -> tuple[Any, Any]:
     """`(params, residuals)` of `variables`, or a ValueError saying what to pass."""
     if "params" not in variables:
         raise ValueError(
@@ -100,7 +98,7 @@ def _check_variables(variables: Any, treedef: Any, config: ZeroPPConfig) -> tupl
             f"{sorted(variables)}."
         )
     params, res_tree = R.split(variables["params"])
-    if config.error_feedback is not None and res_tree is None:
+    if plan.error_feedback and res_tree is None:
         raise ValueError(
             "ZeroPPConfig.error_feedback is on, but the parameters given to apply_fn "
             f"have no {R.KEY!r} entry; pass state.params unchanged."
@@ -116,19 +114,19 @@ def _check_variables(variables: Any, treedef: Any, config: ZeroPPConfig) -> tupl
 def _step_inputs(
     step: jax.Array | None,
     weight_ref: Any,
-    config: ZeroPPConfig,
+    plan: Plan,
     leaf_layouts: tuple[part.LeafLayout, ...],
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """The step counter (`[step]` with stochastic rounding, else `[]`) and the present
     weight references, or a ValueError saying which `apply_fn` to call."""
-    if config.stochastic_rounding and step is None:
+    if plan.stochastic_rounding and step is None:
         raise ValueError(
             "ZeroPPConfig.stochastic_rounding=True needs the step counter: call "
             "state.apply_fn (an IslandApply bound to state.step)."
         )
-    steps = [] if step is None or not config.stochastic_rounding else [step]
+    steps = [] if step is None or not plan.stochastic_rounding else [step]
     refs = [r for r in (weight_ref or ()) if r is not None]
-    if config.weight_delta_bits is not None and len(refs) != sum(lo.sharded for lo in leaf_layouts):
+    if plan.weight_delta and len(refs) != sum(lo.sharded for lo in leaf_layouts):
         raise ValueError(
             "ZeroPPConfig.weight_delta_bits needs the weight references of the state: "
             "call state.apply_fn (an IslandApply that carries them)."
@@ -172,32 +170,20 @@ def make_island_apply(
     leading dimension; outputs come back batch-sharded in the global view.
     """
     treedef, leaf_layouts = layouts
-    platform = mesh_platform(mesh)
-    codec = resolve_codec(config, platform)
-    # Pallas calls (interpreted or not) carry no varying-axes types.
-    check_vma = codec is XLA_CODEC
-    island = _Island(
-        model_apply=model_apply,
-        config=config,
-        treedef=treedef,
-        leaf_layouts=leaf_layouts,
-        names=_leaf_names(treedef, leaf_layouts),
-        spec=gather_spec(config, codec, platform),
-        num_devices=data_parallel_size(mesh),
-        check_vma=check_vma,
-    )
+    plan = resolve(config, mesh)
+    island = _Island(model_apply, plan, treedef, leaf_layouts, _leaf_names(treedef, leaf_layouts))
 
     def apply_fn(
         step: jax.Array | None, weight_ref: Any, variables: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        params, res_tree = _check_variables(variables, treedef, config)
+        params, res_tree = _check_variables(variables, treedef, plan)
         res_at, res1, res2 = _split_residuals(res_tree)
         others = {k: v for k, v in variables.items() if k != "params"}
         rngs = kwargs.pop("rngs", None)
         split, batch, rep = _ModelArgs.of(args, kwargs)
         other_leaves, other_def = jax.tree_util.tree_flatten(others)
         rng_leaves, rng_def = jax.tree_util.tree_flatten(rngs)
-        steps, refs = _step_inputs(step, weight_ref, config, leaf_layouts)
+        steps, refs = _step_inputs(step, weight_ref, plan, leaf_layouts)
         body = functools.partial(island.body, split, res_at, other_def, rngs, rng_def)
         per_device = jax.shard_map(
             body,
@@ -214,7 +200,7 @@ def make_island_apply(
             ),
             out_specs=part.BATCH_SPEC,
             axis_names={"node", "local"},
-            check_vma=check_vma,
+            check_vma=plan.check_vma,
         )
         p_leaves = jax.tree_util.tree_leaves(params)
         return per_device(p_leaves, refs, (res1, res2), batch, rep, other_leaves, rng_leaves, steps)
@@ -231,32 +217,31 @@ def _leaf_names(treedef: Any, leaf_layouts: tuple[part.LeafLayout, ...]) -> tupl
 
 @dataclasses.dataclass(frozen=True)
 class _Island:
-    """What one island runs on each device, resolved once from the config and the mesh."""
+    """What one island runs on each device: the model, the resolved config (`plan`) and
+    the parameters' layouts and names."""
 
     model_apply: Callable[..., Any]
-    config: ZeroPPConfig
+    plan: Plan
     treedef: Any
     leaf_layouts: tuple[part.LeafLayout, ...]
     names: tuple[str, ...]
-    spec: Any
-    num_devices: int
-    check_vma: bool
 
     def gathers(self, refs: list[jax.Array], res: Any, res_at: Any, step: Any) -> LeafGathers:
         """The step's `LeafGathers`: its rounding keys, references and residuals."""
-        config, layouts = self.config, self.leaf_layouts
-        delta_on = config.weight_delta_bits is not None
+        plan, layouts = self.plan, self.leaf_layouts
         return LeafGathers(
             layouts=layouts,
             names=self.names,
-            spec=self.spec,
-            num_devices=self.num_devices,
-            check_vma=self.check_vma,
+            spec=plan.spec,
+            num_devices=plan.num_devices,
+            check_vma=plan.check_vma,
             keys=tuple(
-                rounding_key(config, step, i) if step is not None and lo.sharded else None
+                rounding_key(plan.rounding_seed, step, i)
+                if step is not None and lo.sharded
+                else None
                 for i, lo in enumerate(layouts)
             ),
-            refs=per_leaf(refs, [lo.sharded and delta_on for lo in layouts]),
+            refs=per_leaf(refs, [lo.sharded and plan.weight_delta for lo in layouts]),
             res=residuals_per_leaf(res, res_at, layouts),
         )
 
@@ -266,7 +251,7 @@ class _Island:
         """The per-device program: the model run with its weights placed (`placement`)."""
         layouts = self.leaf_layouts
         p = [part.island_shard(x, lo) for x, lo in zip(p, layouts, strict=True)]
-        if self.check_vma:
+        if self.plan.check_vma:
             # A reference is the same on every node; marked node-invariant, it would
             # make the weight invariant too, and autodiff would psum the weight's
             # cotangent over `node` before the two-hop reduction (a full-size
@@ -284,15 +269,14 @@ class _Island:
             v["params"] = jax.tree_util.tree_unflatten(self.treedef, weights)
             return self.model_apply(v, *a, **kw)
 
-        compute = jnp.dtype(self.config.compute_dtype)
         return placement.run_placed(
             model,
-            _model_weights(p, layouts, compute),
+            _model_weights(p, layouts, self.plan.compute_dtype),
             p,
             (batch, rep, oth, keys),
             gathers,
-            self.config.prefetch,
-            per_use_reduce=self.config.shared_grad == "per_use",
+            self.plan.prefetch,
+            per_use_reduce=self.plan.per_use_reduce,
         )
 
 

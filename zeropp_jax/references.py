@@ -13,13 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from zeropp_jax import delta
 from zeropp_jax import partition as part
-from zeropp_jax.choices import mesh_platform, resolve_codec
-from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax.choices import Plan
 from zeropp_jax.kernels import shard_map_mesh
 
 
@@ -56,15 +54,14 @@ def _reference_map(
 
 
 def full_weight_references(
-    params: Any, config: ZeroPPConfig, mesh: Mesh, leaf_layouts: tuple[part.LeafLayout, ...]
+    params: Any, plan: Plan, mesh: Mesh, leaf_layouts: tuple[part.LeafLayout, ...]
 ) -> tuple[jax.Array | None, ...]:
-    """The weight-delta references built by one full `config.weight_bits` gather across
+    """The weight-delta references built by one full `plan.reference_bits` gather across
     nodes (at `TrainState.create` and after a restore; see `zeropp_jax.delta`)."""
-    codec = resolve_codec(config, mesh_platform(mesh))
-    kw = dict(bits=config.weight_bits, block_size=config.weight_block_size, codec=codec)
+    kw = dict(bits=plan.reference_bits, block_size=plan.weight_block_size, codec=plan.codec)
 
     def body(shards):
-        dtype = jnp.dtype(config.compute_dtype)
+        dtype = plan.compute_dtype
         return [delta.full_reference(x.reshape(-1), dtype=dtype, **kw) for x in shards]
 
     return _reference_map(body, mesh, leaf_layouts, params, None)
@@ -73,13 +70,12 @@ def full_weight_references(
 def advance_weight_references(
     params: Any,
     refs: tuple[jax.Array | None, ...],
-    config: ZeroPPConfig,
+    plan: Plan,
     mesh: Mesh,
     leaf_layouts: tuple[part.LeafLayout, ...],
 ) -> tuple[jax.Array | None, ...]:
     """The references after one delta gather of `params` (the new master parameters)."""
-    codec = resolve_codec(config, mesh_platform(mesh))
-    kw = dict(bits=config.weight_delta_bits, block_size=config.weight_block_size, codec=codec)
+    kw = dict(bits=plan.delta_bits, block_size=plan.weight_block_size, codec=plan.codec)
 
     def body(shards, old):
         return [

@@ -18,40 +18,22 @@ partial sums, `num_nodes * P / N` values).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from zeropp_jax import partition as part
-from zeropp_jax.config import ZeroPPConfig
+
+if TYPE_CHECKING:
+    from zeropp_jax.choices import Plan
 
 KEY = "zeropp_error_feedback"
 """The entry of `state.params` (and so of the gradients) that carries the residuals."""
 
 SPEC = part.BATCH_SPEC
 """Every residual is sharded over all devices in node-major order."""
-
-
-def hops(config: ZeroPPConfig, num_nodes: int, local_size: int) -> tuple[bool, bool]:
-    """Whether hop 1 and hop 2 keep residuals on this mesh.
-
-    Raises:
-      ValueError: when `config.error_feedback` is on but no hop of this mesh can carry it.
-    """
-    if config.error_feedback is None:
-        return False, False
-    hop1 = config.error_feedback == "all" and local_size > 1 and config.grad_bits is not None
-    hop2 = num_nodes > 1 and config.grad_hop2_bits is not None
-    if not (hop1 or hop2):
-        raise ValueError(
-            f"ZeroPPConfig.error_feedback={config.error_feedback!r} has no quantized gradient "
-            f"hop to act on with a mesh of {num_nodes} node(s) x {local_size} device(s) "
-            f"(grad_bits={config.grad_bits!r}, grad_node_bits={config.grad_node_bits!r}); "
-            "use error_feedback='all' on a single-node mesh, or error_feedback=None."
-        )
-    return hop1, hop2
 
 
 def shapes(
@@ -63,11 +45,12 @@ def shapes(
 
 
 def zeros(
-    leaf_layouts: tuple[part.LeafLayout, ...], config: ZeroPPConfig, mesh: Mesh
+    leaf_layouts: tuple[part.LeafLayout, ...], plan: Plan, mesh: Mesh
 ) -> dict[str, tuple[jax.Array | None, ...]] | None:
-    """Fresh (zero) residuals for `mesh`, or None without error feedback."""
-    nn, ll = mesh.shape["node"], mesh.shape["local"]
-    hop1, hop2 = hops(config, nn, ll)
+    """Fresh (zero) residuals for `mesh` (`plan.feedback_hops` says which hops keep
+    them), or None without error feedback."""
+    nn, ll = plan.num_nodes, plan.local_size
+    hop1, hop2 = plan.feedback_hops
     if not (hop1 or hop2):
         return None
     wanted = [
@@ -116,13 +99,13 @@ def join(model_params: Any, residuals: Any) -> Any:
 
 
 def advance(
-    new: dict[str, tuple[jax.Array | None, ...]], step: jax.Array, config: ZeroPPConfig
+    new: dict[str, tuple[jax.Array | None, ...]], step: jax.Array, plan: Plan
 ) -> dict[str, tuple[jax.Array | None, ...]]:
     """The residuals to keep after step `step` (0-based) from the backward pass's `new`
-    ones: times `config.error_feedback_decay`, and zero after every
-    `config.error_feedback_reset`-th step."""
-    decay = jnp.float32(config.error_feedback_decay)
-    reset = config.error_feedback_reset
+    ones: times `plan.feedback_decay`, and zero after every `plan.feedback_reset`-th
+    step."""
+    decay = jnp.float32(plan.feedback_decay)
+    reset = plan.feedback_reset
     keep = jnp.array(True) if not reset else (step + 1) % reset != 0
 
     def one(r):
@@ -174,12 +157,12 @@ def missing_mass(
 def respread(
     mass: tuple[jax.Array | None, ...],
     leaf_layouts: tuple[part.LeafLayout, ...],
-    config: ZeroPPConfig,
+    plan: Plan,
     mesh: Mesh,
 ) -> dict[str, tuple[jax.Array | None, ...]] | None:
     """Residuals for `mesh` that owe the same `mass` (padding resized to this mesh's):
     split evenly over the devices of the first hop that keeps residuals here."""
-    fresh = zeros(leaf_layouts, config, mesh)
+    fresh = zeros(leaf_layouts, plan, mesh)
     if fresh is None:
         return None
     nn, ll = mesh.shape["node"], mesh.shape["local"]
