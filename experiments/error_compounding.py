@@ -225,7 +225,7 @@ def inject_quantization_events(
     Args:
       grads: pytree of float arrays (any shapes; the result keeps shapes and dtypes).
       k: number of events (a Python int or a traced int32 scalar; 0 returns `grads`).
-      bits: 8, 4 or 2.
+      bits: a format of `quant.FORMATS`.
       block_size: values per block.
       key: PRNG key (noise for `ring`, offsets for `shifted`).
       mode: "ring" or "shifted".

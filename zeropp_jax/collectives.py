@@ -57,7 +57,7 @@ def all_gather_quantized(
     x: jax.Array,
     *,
     axis_name: AxisName,
-    bits: int | None,
+    bits: Format | None,
     block_size: int,
     codec: Codec = XLA_CODEC,
 ) -> jax.Array:
@@ -69,7 +69,7 @@ def all_gather_quantized(
     Args:
       x: per-device shard `(rows, ...)`, a float array.
       axis_name: mesh axis or tuple of axes (the first one major) to gather over.
-      bits: 8, 4, 2, or None.
+      bits: a format of `quant.FORMATS`, or None (unquantized).
       block_size: values per quantization block (blocks never straddle two shards).
       codec: block quantization implementation.
 
@@ -104,7 +104,7 @@ def hierarchical_all_gather(
 
     Args:
       x: per-device shard `(rows, ...)` in the `('local', 'node')` partition layout.
-      bits: format of stage 1 (over `node`): 8, 4, 2, "e4m3", or None (unquantized;
+      bits: format of stage 1 (over `node`): a format of `quant.FORMATS`, or None (unquantized;
         16-bit floats as uint16 bits).
       block_size: values per quantization block.
       local_bits: format of stage 2 (over `local`); `bits` gathers the stage-1 secondary
@@ -134,7 +134,7 @@ def hierarchical_all_gather(
 def secondary_gather(
     x: jax.Array,
     *,
-    bits: int | None,
+    bits: Format | None,
     block_size: int,
     node_axis: str = "node",
     codec: Codec = XLA_CODEC,
@@ -201,7 +201,7 @@ def gather_from_secondary(
     shard_shape: Sequence[int],
     dtype: jnp.dtype,
     *,
-    bits: int | None,
+    bits: Format | None,
     local_axis: str = "local",
     codec: Codec = XLA_CODEC,
     alternate_form: bool = False,
@@ -234,7 +234,7 @@ def gather_from_secondary(
 def flat_all_gather(
     x: jax.Array,
     *,
-    bits: int | None,
+    bits: Format | None,
     block_size: int,
     node_axis: str = "node",
     local_axis: str = "local",
@@ -246,7 +246,7 @@ def flat_all_gather(
 
     Args:
       x: per-device shard `(rows, ...)` in the `('local', 'node')` partition layout.
-      bits: 8, 4, 2 (qwZ), or None.
+      bits: a format of `quant.FORMATS` (qwZ), or None.
       block_size: values per quantization block.
       node_axis: name of the inter-node mesh axis.
       local_axis: name of the intra-node mesh axis.

@@ -41,7 +41,7 @@ def full_reference(
 
     Args:
       x: per-device float32 master shard `(rows, ...)`.
-      bits: format of the gather (`weight_bits`: 8, 4, 2, "e4m3"), or None for raw
+      bits: format of the gather (`weight_bits`, a format of `quant.FORMATS`), or None for raw
         16-bit values.
       block_size: values per quantization block.
       dtype: dtype of the reference (the compute dtype).
@@ -88,7 +88,7 @@ def delta_all_gather(
     Args:
       x: per-device float32 master shard `(rows, ...)`.
       reference: per-device reference `(num_nodes * rows, ...)` (compute dtype).
-      bits: format of the delta (8, 4, 2 or "e4m3").
+      bits: format of the delta, a format of `quant.FORMATS`.
       block_size: values per quantization block.
       node_axis: name of the inter-node mesh axis.
       codec: block quantization implementation.

@@ -66,9 +66,9 @@ def two_hop_reduce_scatter_feedback(
       x: per-device gradient `(N * rows, ...)` in partition order.
       hop1_residual: float32 `(N * rows, ...)` or None (no feedback on hop 1).
       hop2_residual: float32 `(num_nodes * rows, ...)` or None (no feedback on hop 2).
-      bits: format on hop 1 (8, 4, 2, "e4m3") or None for an unquantized hop.
+      bits: format on hop 1 (a format of `quant.FORMATS`) or None for an unquantized hop.
       block_size: values per quantization block on hop 1.
-      node_bits: format on hop 2 (8, 4, 2, "e4m3") or None for an unquantized hop.
+      node_bits: format on hop 2 (a format of `quant.FORMATS`) or None for an unquantized hop.
       node_block_size: values per quantization block on hop 2.
       node_axis: name of the inter-node mesh axis.
       local_axis: name of the intra-node mesh axis.

@@ -8,7 +8,9 @@ float32 rounding of the arithmetic). Every product `q * scale` is exact in float
 dequantizing, and summing dequantized values, gives the same bits however a compiler fuses
 the arithmetic (see `dequantize_sum_blocks`).
 
-Formats. `bits` is 8, 4 or 2 (the integer grid above) or `"e4m3"` (`E4M3`): fp8 values
+Formats. `FORMATS` is the one table of formats: each row (a `FormatSpec`) gives what
+`bits` may say, its bits on the wire, its packing, `qmax`, its grid and dtypes. The integer
+rows (8, 4, 2) use the grid above; `"e4m3"` (`E4M3`) holds fp8 values
 (`jnp.float8_e4m3fn`, 4 significant bits, largest 448) with the same float32 block scales,
 `scale = absmax / 448` (rounded up as above), `q = fp8(x / scale)`. Its round-trip error is
 at most half an fp8 ulp of `x / scale`, i.e. `max(|x| * 2**-4, scale * 2**-10)` (relative
@@ -31,9 +33,11 @@ all-zero block has scale 0 and dequantizes to exact zeros.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
-from typing import NamedTuple
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,40 +45,122 @@ import numpy as np
 
 from pallas_kernels.blockwise import QuantizedArray  # one type for both implementations
 
-BITS = (8, 4, 2)
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+_F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # 2**-126, the smallest normal float32
+
+FormatKey = int | str
+"""A key of `FORMATS`, as configs and `bits` arguments spell a format: an integer width or
+the name of an fp8 format."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatSpec:
+    """One row of `FORMATS`: a quantization format's grid and how it travels.
+
+    Attributes:
+      key: the format as configs and `bits` arguments spell it.
+      bits: bits per value on the wire.
+      qmax: largest quantized magnitude (`2**(bits-1) - 1` on an integer grid).
+      is_float: True for an fp8 grid (`code_dtype`), False for an integer grid.
+      code_dtype: dtype of the unpacked values (`unpack`'s result).
+      values_dtype: dtype of the packed values on the wire.
+      scale_dtype: dtype of the per-block scales (one per block, on the wire beside the
+        values).
+      min_scale: smallest nonzero scale (see `min_scale`).
+    """
+
+    key: FormatKey
+    bits: int
+    qmax: int
+    is_float: bool
+    code_dtype: Any
+    values_dtype: Any
+    scale_dtype: Any = jnp.float32
+    min_scale: float = _F32_TINY
+
+    def __post_init__(self) -> None:
+        if self.bits not in (1, 2, 4, 8):
+            raise ValueError(
+                f"FormatSpec {self.key!r}: bits={self.bits!r}; expected 1, 2, 4 or 8, so that "
+                "values pack into whole bytes."
+            )
+
+    @property
+    def values_per_byte(self) -> int:
+        """Values that share one byte on the wire; a block size must be a multiple of it."""
+        return 8 // self.bits
+
+
+def _integer_format(bits: int) -> FormatSpec:
+    """The row of an integer width: 8 bits travel as int8, narrower ones packed in uint8."""
+    return FormatSpec(
+        key=bits,
+        bits=bits,
+        qmax=2 ** (bits - 1) - 1,
+        is_float=False,
+        code_dtype=jnp.int8,
+        values_dtype=jnp.int8 if bits == 8 else jnp.uint8,
+    )
+
+
 E4M3 = "e4m3"
 """The fp8 format: `jnp.float8_e4m3fn` values with float32 block scales."""
-FORMATS = (*BITS, E4M3)
-"""Every value `bits` may take: an integer width or the name of an fp8 format."""
 E4M3_MAX = 448.0
 _E4M3_MIN_EXP = -6  # the smallest normal e4m3 is 2**-6; below it the spacing is 2**-9
 _E4M3_MANTISSA = 3
 
+FORMATS: Mapping[FormatKey, FormatSpec] = types.MappingProxyType(
+    {
+        8: _integer_format(8),
+        4: _integer_format(4),
+        2: _integer_format(2),
+        E4M3: FormatSpec(
+            key=E4M3,
+            bits=8,
+            qmax=int(E4M3_MAX),
+            is_float=True,
+            code_dtype=jnp.float8_e4m3fn,
+            values_dtype=jnp.uint8,  # the bits of the fp8 values
+            # The smallest e4m3 value is 2**-9: a scale of at least 2**-117 keeps it times
+            # the scale a normal float32 (XLA on CPU flushes subnormal products to zero).
+            min_scale=_F32_TINY * 2.0**9,
+        ),
+    }
+)
+"""The one table of quantization formats: every value `bits` may take, and its row."""
+BITS = tuple(key for key, spec in FORMATS.items() if not spec.is_float)
+"""The integer widths of `FORMATS`."""
 
-def is_float_format(bits: int | str) -> bool:
-    """True for an fp8 format (`"e4m3"`), False for an integer width."""
-    return isinstance(bits, str)
 
-
-def values_per_byte(bits: int | str) -> int:
-    """Values that share one byte on the wire: 1 for 8 bits and e4m3, 2 or 4 below."""
-    return 1 if is_float_format(bits) else 8 // bits
-
-
-def qmax(bits: int | str) -> int:
-    """Largest quantized magnitude for `bits`: 127, 7, 1, or 448 for e4m3."""
-    if is_float_format(bits):
-        return int(E4M3_MAX)
-    return 2 ** (bits - 1) - 1
-
-
-def check_bits(bits: int | str, block_size: int) -> None:
-    """Raises `ValueError` unless `bits` and `block_size` can be quantized and packed."""
+def format_of(bits: FormatKey) -> FormatSpec:
+    """The row of `FORMATS` for `bits`; raises `ValueError` for anything else."""
+    # Not a bool, not a float such as 8.0 that compares (and hashes) equal to a key.
     if isinstance(bits, bool) or not isinstance(bits, int | str) or bits not in FORMATS:
         raise ValueError(
-            f"bits={bits!r} is not supported; expected one of {FORMATS} (an int, or 'e4m3')."
+            f"bits={bits!r} is not supported; expected one of {tuple(FORMATS)} (a key of "
+            "zeropp_jax.quant.FORMATS)."
         )
-    per_byte = values_per_byte(bits)
+    return FORMATS[bits]
+
+
+def is_float_format(bits: FormatKey) -> bool:
+    """True for an fp8 format, False for an integer width (the row's `is_float`)."""
+    return format_of(bits).is_float
+
+
+def values_per_byte(bits: FormatKey) -> int:
+    """Values that share one byte on the wire (the row's `values_per_byte`)."""
+    return format_of(bits).values_per_byte
+
+
+def qmax(bits: FormatKey) -> int:
+    """Largest quantized magnitude for `bits` (the row's `qmax`)."""
+    return format_of(bits).qmax
+
+
+def check_bits(bits: FormatKey, block_size: int) -> None:
+    """Raises `ValueError` unless `bits` and `block_size` can be quantized and packed."""
+    per_byte = format_of(bits).values_per_byte
     if (
         isinstance(block_size, bool)
         or not isinstance(block_size, int)
@@ -87,8 +173,6 @@ def check_bits(bits: int | str, block_size: int) -> None:
         )
 
 
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
-_F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # 2**-126, the smallest normal float32
 _BIG_SCALE = 2.0**126  # a scale at least this large has a subnormal reciprocal
 
 SCALE_BITS = 16
@@ -99,14 +183,14 @@ bits: it is exact in float32, whatever `bits` is."""
 _SCALE_LOW = 2 ** (24 - SCALE_BITS) - 1  # the float32 mantissa bits a scale leaves zero
 
 
-def min_scale(bits: int | str) -> float:
-    """Smallest nonzero scale: `2**-126` for integer widths; `2**-117` for e4m3, so that
-    its smallest value, `2**-9`, times a scale stays a normal float32 (XLA on CPU flushes
-    subnormal products to zero)."""
-    return _F32_TINY * (2.0**9 if is_float_format(bits) else 1.0)
+def min_scale(bits: FormatKey) -> float:
+    """Smallest nonzero scale (the row's `min_scale`): `2**-126` for integer widths;
+    `2**-117` for e4m3, so that its smallest value, `2**-9`, times a scale stays a normal
+    float32 (XLA on CPU flushes subnormal products to zero)."""
+    return format_of(bits).min_scale
 
 
-def max_scale(bits: int | str) -> float:
+def max_scale(bits: FormatKey) -> float:
     """Largest float32 of `SCALE_BITS` significant bits whose product with `qmax(bits)`
     is finite (a Python float; every scale of `block_scales` is at most this)."""
     m = qmax(bits)
@@ -140,7 +224,7 @@ def block_absmax(blocks: jax.Array) -> jax.Array:
     return a[..., 0]
 
 
-def block_scales(absmax: jax.Array, bits: int | str) -> jax.Array:
+def block_scales(absmax: jax.Array, bits: FormatKey) -> jax.Array:
     """Float32 scale of each block from its absmax: `absmax * fl(1 / qmax)`, kept normal,
     rounded up to `SCALE_BITS` significant bits.
 
@@ -190,33 +274,37 @@ def to_blocks(x: jax.Array, block_size: int) -> jax.Array:
     return flat.reshape(-1, block_size)
 
 
-def pack(q: jax.Array, bits: int | str) -> jax.Array:
+def pack(q: jax.Array, bits: FormatKey) -> jax.Array:
     """Packs int8 `q` in `[-qmax, qmax]` (for e4m3: float values on the fp8 grid in
     `[-448, 448]`), shape `(..., block_size)`, into the wire layout."""
-    if is_float_format(bits):
-        return jax.lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), jnp.uint8)
-    if bits == 8:
-        return q.astype(jnp.int8)
-    per_byte = 8 // bits
-    u = (q.astype(jnp.int32) + 2 ** (bits - 1)).astype(jnp.uint8)
+    spec = format_of(bits)
+    if spec.is_float:
+        return jax.lax.bitcast_convert_type(q.astype(spec.code_dtype), spec.values_dtype)
+    per_byte = spec.values_per_byte
+    if per_byte == 1:
+        return q.astype(spec.values_dtype)
+    u = (q.astype(jnp.int32) + 2 ** (spec.bits - 1)).astype(spec.values_dtype)
     planes = u.reshape(*u.shape[:-1], per_byte, u.shape[-1] // per_byte)
     out = planes[..., 0, :]
     for i in range(1, per_byte):
-        out = out | (planes[..., i, :] << jnp.uint8(bits * i))
+        out = out | (planes[..., i, :] << jnp.uint8(spec.bits * i))
     return out
 
 
-def unpack(values: jax.Array, bits: int | str) -> jax.Array:
-    """Inverse of `pack`: int8 (float8_e4m3fn for e4m3) of shape `(..., block_size)`."""
-    if is_float_format(bits):
-        return jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
-    if bits == 8:
-        return values.astype(jnp.int8)
-    per_byte = 8 // bits
-    mask = jnp.uint8(2**bits - 1)
-    planes = [(values >> jnp.uint8(bits * i)) & mask for i in range(per_byte)]
+def unpack(values: jax.Array, bits: FormatKey) -> jax.Array:
+    """Inverse of `pack`: the row's `code_dtype` (int8, or float8_e4m3fn for e4m3) of shape
+    `(..., block_size)`."""
+    spec = format_of(bits)
+    if spec.is_float:
+        return jax.lax.bitcast_convert_type(values, spec.code_dtype)
+    per_byte = spec.values_per_byte
+    if per_byte == 1:
+        return values.astype(spec.code_dtype)
+    b = spec.bits
+    mask = jnp.uint8(2**b - 1)
+    planes = [(values >> jnp.uint8(b * i)) & mask for i in range(per_byte)]
     u = jnp.concatenate(planes, axis=-1)
-    return (u.astype(jnp.int8) - jnp.int8(2 ** (bits - 1))).astype(jnp.int8)
+    return (u.astype(jnp.int8) - jnp.int8(2 ** (b - 1))).astype(spec.code_dtype)
 
 
 def _round_e4m3(y: jax.Array, key: jax.Array | None) -> jax.Array:
@@ -238,7 +326,7 @@ def _round_e4m3(y: jax.Array, key: jax.Array | None) -> jax.Array:
 
 
 def quantize_blocks(
-    blocks: jax.Array, *, bits: int | str, key: jax.Array | None = None
+    blocks: jax.Array, *, bits: FormatKey, key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Quantizes rows of `blocks` `(..., block_size)`; returns packed values and scales.
 
@@ -272,7 +360,7 @@ def quantize_blocks(
 
 
 def dequantize_blocks(
-    values: jax.Array, scales: jax.Array, *, bits: int | str, dtype: jnp.dtype = jnp.float32
+    values: jax.Array, scales: jax.Array, *, bits: FormatKey, dtype: jnp.dtype = jnp.float32
 ) -> jax.Array:
     """Dequantizes packed `values` with `scales` `(...)` into `(..., block_size)` of `dtype`."""
     q = unpack(values, bits).astype(jnp.float32)
@@ -280,15 +368,15 @@ def dequantize_blocks(
 
 
 def quantize_blockwise(
-    x: jax.Array, *, bits: int | str, block_size: int, key: jax.Array | None = None
+    x: jax.Array, *, bits: FormatKey, block_size: int, key: jax.Array | None = None
 ) -> QuantizedArray:
     """Block-quantizes `x` (any shape and size; flattened, last block zero-padded).
 
     Args:
       x: float array (float32, bfloat16 or float16).
-      bits: 8, 4, 2, or "e4m3".
-      block_size: values per block (one float32 scale each), divisible by the values per
-        byte (`8 // bits` for 4 and 2 bits).
+      bits: a format, a key of `FORMATS`.
+      block_size: values per block (one float32 scale each), divisible by the format's
+        values per byte (`FORMATS[bits].values_per_byte`).
       key: a PRNG key for stochastic rounding; None rounds to nearest.
 
     Returns:
@@ -307,7 +395,7 @@ def dequantize_blockwise(q: QuantizedArray, dtype: jnp.dtype = jnp.float32) -> j
     return blocks.reshape(-1)[: q.size].reshape(q.shape)
 
 
-def step_size(x: jax.Array, *, bits: int | str, block_size: int) -> jax.Array:
+def step_size(x: jax.Array, *, bits: FormatKey, block_size: int) -> jax.Array:
     """Quantization step (`scale`) of the block each value of `x` falls in; shape of `x`.
     (For e4m3 the scale is the unit of `q`, not a step; see `max_error`.)"""
     blocks = to_blocks(x.astype(jnp.float32), block_size)
@@ -316,7 +404,7 @@ def step_size(x: jax.Array, *, bits: int | str, block_size: int) -> jax.Array:
     return full.reshape(-1)[: x.size].reshape(x.shape)
 
 
-def max_error(x: jax.Array, scale: jax.Array, bits: int | str) -> jax.Array:
+def max_error(x: jax.Array, scale: jax.Array, bits: FormatKey) -> jax.Array:
     """Round-to-nearest error bound of each value of `x` quantized with `scale` (arrays of
     the same shape), up to float32 rounding: `scale / 2` for integer widths, half an fp8
     ulp, `max(|x| * 2**-4, scale * 2**-10)`, for e4m3."""
@@ -325,14 +413,14 @@ def max_error(x: jax.Array, scale: jax.Array, bits: int | str) -> jax.Array:
     return scale / 2
 
 
-def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, *, bits: int | str) -> jax.Array:
+def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, *, bits: FormatKey) -> jax.Array:
     """Dequantizes `G` stacked block sets and sums them in float32.
 
     Args:
       values: packed values `(G, num_blocks, bytes_per_block)` (e.g. the chunks received
         from an all-to-all, one per source device).
       scales: float32 `(G, num_blocks)`.
-      bits: bits per value.
+      bits: the format of `values`, a key of `FORMATS`.
 
     Returns:
       float32 `(num_blocks, block_size)`: `sum_g dequantize(values[g], scales[g])`, summed
@@ -353,8 +441,8 @@ def dequantize_sum_quantize_blocks(
     values: jax.Array,
     scales: jax.Array,
     *,
-    bits: int | str,
-    out_bits: int | str,
+    bits: FormatKey,
+    out_bits: FormatKey,
     key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`dequantize_sum_blocks` followed by `quantize_blocks` at `out_bits`: the middle of the

@@ -60,8 +60,9 @@ def reduce_scatter_quantized(
       x: per-device contribution `(G * rows, ...)`; chunk `g` (along axis 0) goes to the
         device of index `g` on `axis_name`.
       axis_name: mesh axis or tuple of axes (first one major).
-      bits: 8, 4, 2, or None. None: float32 input goes through `lax.psum_scatter`; 16-bit
-        input travels as uint16 bits through an all-to-all and is summed in float32.
+      bits: a format of `quant.FORMATS`, or None. None: float32 input goes through
+        `lax.psum_scatter`; 16-bit input travels as uint16 bits through an all-to-all and
+        is summed in float32.
       block_size: values per quantization block (blocks never straddle two chunks).
       codec: block quantization implementation.
       key: a PRNG key for stochastic rounding, used as given (the caller makes it differ
@@ -94,7 +95,7 @@ def reduce_scatter_quantized(
 def flat_reduce_scatter(
     x: jax.Array,
     *,
-    bits: int | None,
+    bits: Format | None,
     block_size: int,
     node_axis: str = "node",
     local_axis: str = "local",
@@ -105,7 +106,7 @@ def flat_reduce_scatter(
 
     Args:
       x: per-device gradient `(N * rows, ...)` in partition order.
-      bits: 8, 4, 2, or None.
+      bits: a format of `quant.FORMATS`, or None.
       block_size: values per quantization block.
       node_axis: name of the inter-node mesh axis.
       local_axis: name of the intra-node mesh axis.
@@ -227,9 +228,9 @@ def two_hop_reduce_scatter(
 
     Args:
       x: per-device gradient `(N * rows, ...)` in partition order.
-      bits: format on hop 1 (8, 4, 2, "e4m3") or None for an unquantized hop.
+      bits: format on hop 1 (a format of `quant.FORMATS`) or None for an unquantized hop.
       block_size: values per quantization block on hop 1.
-      node_bits: format on hop 2 (8, 4, 2, "e4m3") or None for an unquantized hop.
+      node_bits: format on hop 2 (a format of `quant.FORMATS`) or None for an unquantized hop.
       node_block_size: values per quantization block on hop 2.
       node_axis: name of the inter-node mesh axis.
       local_axis: name of the intra-node mesh axis.

@@ -42,7 +42,7 @@ class GatherSpec:
     """Static description of one differentiable weight gather (hashable).
 
     Every format is resolved (`choices.gather_spec` reads the config's resolved
-    properties): a format is 8, 4, 2, "e4m3" or None (unquantized).
+    properties): a format is a format of `quant.FORMATS` or None (unquantized).
 
     Attributes:
       hierarchical: two-stage gather through the secondary shard (hpZ) if True, else one

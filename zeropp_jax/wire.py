@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeropp_jax.quant import Codec, num_blocks
+from zeropp_jax.quant import Codec, FormatKey, num_blocks
 
 AxisName = str | tuple[str, ...]
-Format = int | str
-"""A quantization format: 8, 4 or 2 bits, or "e4m3" (see `zeropp_jax.quant`)."""
+Format = FormatKey
+"""A quantization format: a key of `zeropp_jax.quant.FORMATS`."""
 
 
 def to_wire(x: jax.Array) -> jax.Array:
