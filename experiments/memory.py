@@ -14,9 +14,11 @@ one training step from shapes alone (`TrainState.abstract`; nothing is initialis
 allocated) and reads `compiled.memory_analysis()` per device for six engines: plain data
 parallelism (`jax.jit`, state replicated, batch split), XLA's own FSDP
 (`zeropp_jax.baselines`: `jax.jit` with parameters and optimizer state sharded over all
-devices), our ZeRO-3 and ZeRO++ (`zpp.shard`, state donated), each of the two also with
-`shared_grad="per_use"` ("ZeRO-3 per-use", "ZeRO++ per-use": the tied embedding's
-gradient reduced at each of its two uses, not held through the backward). Each row sits against the
+devices), our ZeRO-3 and ZeRO++ (`zpp.shard`, state donated) as configured by default
+(`shared_grad="auto"`: column `tied_grad` says whether it reduced the tied embedding's
+gradient once or per use there), each of the two also with `shared_grad="per_use"`
+("ZeRO-3 per-use", "ZeRO++ per-use": the tied embedding's gradient reduced at each of its
+two uses, not held through the backward). Each row sits against the
 estimate (the module docstring of `zeropp_jax/train/plan.py` writes out every term; XLA's
 FSDP is set against the ZeRO-3 formula, which it would meet if it gathered one layer at a
 time). The four rows of our engines also carry their ledger (`zpp.comm_ledger` of the
@@ -69,7 +71,7 @@ def measure(
     from jax.sharding import PartitionSpec as P
 
     import zeropp_jax as zpp
-    from zeropp_jax import baselines
+    from zeropp_jax import baselines, choices
     from zeropp_jax.partition import BATCH_SPEC
     from zeropp_jax.train import fit, plan
     from zeropp_jax.train.cli import make_optimizer, train_step
@@ -115,7 +117,8 @@ def measure(
             est = plan.estimate(gpt, state=state, layouts=None, replicated=True, **kw)
     else:
         config = zpp.ZeroPPConfig.zero3() if engine.startswith("ZeRO-3") else zpp.ZeroPPConfig()
-        config = config.replace(shared_grad="per_use" if PER_USE in engine else "once")
+        if PER_USE in engine:
+            config = config.replace(shared_grad="per_use")
         state = zpp.TrainState.abstract(
             apply_fn=model.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, config=config
         )
@@ -126,8 +129,11 @@ def measure(
                 "estimate_GB": round(est.total / GB, 3)}  # fmt: skip
     need = fit.need_of(step.lower(state, batch).compile())
     seconds = time.perf_counter() - t
-    sent = link = ""  # the baselines' collectives exist only once XLA compiled them
+    sent = link = tied = ""  # the baselines' collectives exist only once XLA compiled them
     if engine not in ("data parallel", "XLA FSDP"):
+        layouts = state.layouts[1]
+        table = max(range(len(layouts)), key=lambda i: layouts[i].size)
+        tied = "per use" if table in choices.per_use_leaves(state.plan, layouts) else "once"
         ledger = zpp.comm_ledger(step, state, batch, param_count=param_count(gpt))
         sent = round(ledger.in_units_of_M(ledger.total_bytes), 4)
         link = round(ledger.in_units_of_M(ledger.link_bytes), 4)
@@ -143,6 +149,7 @@ def measure(
         "xla_over_estimate": round(need.total / est.total, 3),
         "ledger_M": sent,
         "link_M": link,
+        "tied_grad": tied,
         "compile_s": round(seconds, 1),
     }
 
@@ -422,7 +429,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"sequence of {args.seq} tokens per device; `total_GB` is arguments + temporaries + "
         "outputs not donated + code, per device, by `compiled.memory_analysis()`; "
         "`estimate_GB` is `zeropp_jax.train.plan.estimate` (XLA FSDP against the ZeRO-3 "
-        'formula); the per-use rows run `ZeroPPConfig(shared_grad="per_use")`; `ledger_M` '
+        'formula); ZeRO-3 and ZeRO++ run their default `shared_grad="auto"` (`tied_grad`: '
+        'what it picked for the tied embedding), the per-use rows `shared_grad="per_use"`; '
+        "`ledger_M` "
         "and `link_M` are our engines' bytes per step (`zpp.comm_ledger`, lowered) per "
         "device and through one node link in one direction, in M (the model in 16-bit "
         "bytes). XLA FSDP is `zeropp_jax.baselines` (weights split on the model width, "

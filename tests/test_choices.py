@@ -66,7 +66,7 @@ def test_resolve_on_a_cpu_mesh():
     on = choices.resolve(
         zpp.ZeroPPConfig(stochastic_rounding=True, rounding_seed=5, shared_grad="per_use"), mesh
     )
-    assert on.rounding_seed == 5 and on.per_use_reduce
+    assert on.rounding_seed == 5 and on.shared_grad == "per_use"
 
 
 def test_resolve_refuses_error_feedback_with_no_hop_to_carry_it():
@@ -74,3 +74,27 @@ def test_resolve_refuses_error_feedback_with_no_hop_to_carry_it():
     assert choices.resolve(config, zpp.make_mesh(2, 4)).feedback_hops == (False, True)
     with pytest.raises(ValueError, match="no quantized gradient hop"):
         choices.resolve(config, zpp.make_mesh(1, 8))
+
+
+def test_per_use_leaves_picks_the_weights_whose_held_gradient_outweighs_the_shard():
+    from zeropp_jax import partition as part
+
+    def layouts(table_rows, w_rows):
+        shapes = {"table": (table_rows, 64), "w": (w_rows, 64), "b": (64,)}
+        return tuple(part.leaf_layout(k, jnp.zeros(v), 8) for k, v in shapes.items())
+
+    mesh = zpp.make_mesh(2, 4)
+    auto = choices.resolve(zpp.ZeroPPConfig(), mesh)
+    # Per use where a leaf's gradient whole in bfloat16 (2 bytes a value) exceeds 0.2 x
+    # the master weights per device (4 bytes a value / 8): a leaf above 1/20 of the model.
+    # A 1024-row table of a model of 66,624 values: 131 KB against 6.7 KB.
+    assert choices.per_use_leaves(auto, layouts(1024, 16)) == {0}
+    # An 8-row table beside a (256, 64) matrix: 1 KB against 1.7 KB (the matrix is in).
+    assert choices.per_use_leaves(auto, layouts(8, 256)) == {1}
+    big = layouts(1024, 16)
+    once = choices.resolve(zpp.ZeroPPConfig(shared_grad="once"), mesh)
+    per_use = choices.resolve(zpp.ZeroPPConfig(shared_grad="per_use"), mesh)
+    assert choices.per_use_leaves(once, big) == frozenset()
+    assert choices.per_use_leaves(per_use, big) == {0, 1, 2}
+    feedback = choices.resolve(zpp.ZeroPPConfig(error_feedback="node"), mesh)
+    assert feedback.shared_grad == "once" and not choices.per_use_leaves(feedback, big)

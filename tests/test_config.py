@@ -127,7 +127,7 @@ INVALID = [
     *[("grad_reduce", v, "'reduce_scatter'") for v in ("nccl", "RING", None, 1)],
     *[("hierarchical", v, BOOL_ALLOWED) for v in (1, 0, "True", None)],
     *[("skip_nonfinite_updates", v, BOOL_ALLOWED) for v in (1, "yes", None)],
-    *[("shared_grad", v, "('once', 'per_use')") for v in ("per-use", "twice", None, True)],
+    *[("shared_grad", v, "('auto', 'once', 'per_use')") for v in ("per-use", "twice", None, True)],
 ]
 
 
@@ -167,4 +167,5 @@ def test_per_use_shared_gradients_refuse_error_feedback():
         ZeroPPConfig(shared_grad="per_use", error_feedback="node")
     assert "ZeroPPConfig.shared_grad='per_use' is not allowed" in str(info.value)
     assert ZeroPPConfig(shared_grad="per_use").shared_grad == "per_use"
-    assert ZeroPPConfig().shared_grad == "once"
+    assert ZeroPPConfig().shared_grad == "auto"
+    assert ZeroPPConfig(shared_grad="auto", error_feedback="node").shared_grad == "auto"

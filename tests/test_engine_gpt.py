@@ -11,7 +11,7 @@ import pytest
 from flax.training import train_state
 
 import zeropp_jax as zpp
-from zeropp_jax import placement
+from zeropp_jax import choices, placement
 from zeropp_jax.train import data
 from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn
 
@@ -72,7 +72,13 @@ def ledgers():
     mesh = zpp.make_mesh(2, 4)
     tx = optax.adam(1e-3)
     out = {}
-    for name, config in (("zero3", zpp.ZeroPPConfig.zero3()), ("zeropp", zpp.ZeroPPConfig())):
+    # The paper's volumes reduce each weight's gradient once: "once" pinned ("auto" reduces
+    # this small model's tied table, a large share of it, per use).
+    once = dict(shared_grad="once")
+    for name, config in (
+        ("zero3", zpp.ZeroPPConfig.zero3(**once)),
+        ("zeropp", zpp.ZeroPPConfig(**once)),
+    ):
         state = make_state(config, mesh, tx)
         step = zpp.shard(train_step, mesh=mesh, config=config)
         out[name] = zpp.comm_ledger(step, state, batch(0))
@@ -229,6 +235,17 @@ def test_per_use_shared_gradient_matches_one_device_and_reduces_the_table_per_us
         assert phase_bytes(per_use, phase, ops) == phase_bytes(once, phase, ops) > 0
     extra = phase_bytes(per_use, "backward", REDUCE) - phase_bytes(once, "backward", REDUCE)
     assert extra == table.padded_size * 4 * 7 // 8  # float32, 7/8 of it sent per device
+
+    # "auto" runs what `choices.per_use_leaves` picks for the table on this mesh: its
+    # ledger is that engine's, reduction for reduction.
+    config = zpp.ZeroPPConfig(**exact, shared_grad="auto")
+    state = zpp.TrainState.create(
+        apply_fn=GPT(cfg).apply, params=init_params(cfg, 0), tx=tx, mesh=mesh, config=config
+    )
+    picked = state.layouts[1].index(table) in choices.per_use_leaves(state.plan, state.layouts[1])
+    auto = zpp.comm_ledger(zpp.shard(train_step), state, batch(0, 8))
+    want = led["per_use" if picked else "once"]
+    assert phase_bytes(auto, "backward", REDUCE) == phase_bytes(want, "backward", REDUCE)
 
 
 def test_per_use_shared_gradient_with_qgz_and_stochastic_rounding_trains_like_the_reference():

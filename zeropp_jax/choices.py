@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from zeropp_jax import partition as part
 from zeropp_jax import weight_gather
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.quant import XLA_CODEC, Codec, is_float_format
@@ -155,8 +157,8 @@ class Plan:
       local_size: the mesh's `local` axis.
       check_vma: whether the island checks varying axes (Pallas calls carry none).
       prefetch: gather one use (one layer) ahead.
-      per_use_reduce: each use of a shared weight reduces its own gradient
-        (`shared_grad="per_use"`).
+      shared_grad: "once", "per_use", or "auto" (decided per weight by
+        `per_use_leaves`; "once" with error feedback).
       rounding_seed: the stochastic-rounding seed, or None when rounding to nearest.
       reference_bits: the format of the full gather that builds weight-delta references.
       delta_bits: the weight-delta gather's format, or None without weight deltas.
@@ -176,7 +178,7 @@ class Plan:
     local_size: int
     check_vma: bool
     prefetch: bool
-    per_use_reduce: bool
+    shared_grad: str
     rounding_seed: int | None
     reference_bits: Format | None
     delta_bits: Format | None
@@ -205,6 +207,30 @@ class Plan:
         return any(self.feedback_hops)
 
 
+PER_USE_ABOVE = 0.2
+"""`shared_grad="auto"` reduces a shared weight's gradient per use where holding it whole
+(its full size in the compute dtype, through the backward) would cost more than this
+fraction of the device's stored float32 master weights. Set from the memory tables
+(`experiments/memory.py`): "per_use" needed less memory for the trainer's 125M-1.3B GPTs on
+2 x 4 (a tied table's gradient 1.2x-0.31x of the master weights per device) and for every
+size on 16 x 8; "once" for the 6.7B on 2 x 4 (0.12x)."""
+
+
+def per_use_leaves(plan: Plan, leaf_layouts: Sequence[part.LeafLayout]) -> frozenset[int]:
+    """The parameter leaves whose gradient, if several equations read them, is reduced
+    per use (see `ZeroPPConfig.shared_grad`): all of them, none, or, for "auto", those
+    whose full size in the compute dtype exceeds `PER_USE_ABOVE` times the per-device
+    stored master weights of all `leaf_layouts`."""
+    if plan.shared_grad == "once":
+        return frozenset()
+    sharded = [i for i, lo in enumerate(leaf_layouts) if lo.sharded]
+    if plan.shared_grad == "per_use":
+        return frozenset(sharded)
+    master = sum(4 * lo.padded_size for lo in leaf_layouts if lo.sharded) / plan.num_devices
+    itemsize = plan.compute_dtype.itemsize
+    return frozenset(i for i in sharded if itemsize * leaf_layouts[i].size > PER_USE_ABOVE * master)
+
+
 @functools.lru_cache(maxsize=64)
 def resolve(config: ZeroPPConfig, mesh: Any) -> Plan:
     """The `Plan` of `config` on `mesh` (a `('node', 'local'[, 'model'])` mesh).
@@ -225,7 +251,11 @@ def resolve(config: ZeroPPConfig, mesh: Any) -> Plan:
         local_size=local_size,
         check_vma=codec is XLA_CODEC,
         prefetch=config.prefetch,
-        per_use_reduce=config.shared_grad == "per_use",
+        shared_grad=(
+            "once"
+            if config.shared_grad == "auto" and config.error_feedback is not None
+            else config.shared_grad
+        ),
         rounding_seed=config.rounding_seed if config.stochastic_rounding else None,
         reference_bits=config.weight_bits,
         delta_bits=config.weight_delta_bits,

@@ -12,8 +12,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
-WEIGHT_BITS = (None, 8, 4, 2, "e4m3")
-GRAD_BITS = (None, 8, 4, 2, "e4m3")
+from zeropp_jax import quant
+
+WEIGHT_BITS = (None, *quant.FORMATS)
+"""The values of `ZeroPPConfig.weight_bits`: None (unquantized) or a key of `quant.FORMATS`."""
+GRAD_BITS = WEIGHT_BITS
+"""The values of `ZeroPPConfig.grad_bits`: the same as `WEIGHT_BITS`."""
 SAME = "same"
 """A per-hop format field with this value uses the format of the first hop."""
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -22,7 +26,7 @@ KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
 GRAD_REDUCE = ("auto", "ring", "reduce_scatter")
 """The values of `ZeroPPConfig.grad_reduce`."""
 ERROR_FEEDBACK = (None, "node", "all")
-SHARED_GRAD = ("once", "per_use")
+SHARED_GRAD = ("auto", "once", "per_use")
 """The values of `ZeroPPConfig.shared_grad`."""
 
 
@@ -33,12 +37,15 @@ def _fail(field: str, value: Any, allowed: str, fix: str = "") -> None:
     raise ValueError(msg)
 
 
+_FORMATS_FIX = "The formats are the keys of zeropp_jax.quant.FORMATS; None runs unquantized."
+
+
 def _check_bits(field: str, value: Any, allowed: tuple[int | str | None, ...]) -> None:
     # An int (not a bool, not a float such as 8.0 that compares equal), a format name or None.
     if value is not None and (isinstance(value, bool) or not isinstance(value, int | str)):
-        _fail(field, value, f"one of {allowed} (an int, a format name or None)")
+        _fail(field, value, f"one of {allowed} (an int, a format name or None)", _FORMATS_FIX)
     if value not in allowed:
-        _fail(field, value, f"one of {allowed}")
+        _fail(field, value, f"one of {allowed}", _FORMATS_FIX)
 
 
 def _check_block_size(field: str, value: Any, optional: bool = False) -> None:
@@ -63,18 +70,18 @@ class ZeroPPConfig:
     resolved format, which is what everything below the config reads.
 
     Attributes:
-      weight_bits: qwZ. Bits per weight value on the weight all-gathers (8, 4 or 2), or None
-        to gather unquantized in `compute_dtype`.
+      weight_bits: qwZ. Format of the weight all-gathers (bits per value, or an fp8 format;
+        a key of `quant.FORMATS`), or None to gather unquantized in `compute_dtype`.
       weight_block_size: values per quantization block (one float32 scale each) on the
         weight gathers.
       weight_local_bits: format of the second (intra-node, `local`) stage of the hpZ
         gather. "same" (default) gathers the stage-1 secondary shard as it is; any other
-        value (8, 4, 2, "e4m3", None) dequantizes the secondary shard and re-quantizes it
-        for stage 2, which adds a second quantization event on every weight value. Needs
-        `hierarchical=True`.
+        value (a format of `quant.FORMATS`, or None) dequantizes the secondary shard and
+        re-quantizes it for stage 2, which adds a second quantization event on every
+        weight value. Needs `hierarchical=True`.
       weight_delta_bits: send weight deltas across nodes instead of weights (beyond
         ZeRO++; see `zeropp_jax.delta`). None (default) gathers the full quantized weights
-        every step. A format (4 is the intended one; 8, 2, "e4m3") keeps each device's
+        every step. A format of `quant.FORMATS` (4 is the intended one) keeps each device's
         secondary shard across steps as a reference in the train state and sends, across
         nodes, only the block-quantized difference between the new master shard and that
         reference (blocks of `weight_block_size`); sender and receivers apply the same
@@ -84,11 +91,11 @@ class ZeroPPConfig:
         Needs `hierarchical=True`.
       hierarchical: hpZ. Keep a secondary weight shard inside each node so the backward
         weight gather runs over the `local` axis only. False re-gathers over all devices.
-      grad_bits: qgZ. Bits per gradient value on the two-hop gradient reduction (8, 4 or 2),
+      grad_bits: qgZ. Format of the two-hop gradient reduction (a key of `quant.FORMATS`),
         or None for an unquantized reduce-scatter.
       grad_block_size: values per quantization block on the gradient reduction (hop 1).
-      grad_node_bits: format of gradient hop 2 (across nodes): 8, 4, 2, "e4m3" or None;
-        "same" (default) uses `grad_bits`. E.g. `grad_bits=8, grad_node_bits=4` moves
+      grad_node_bits: format of gradient hop 2 (across nodes): a format of `quant.FORMATS`
+        or None; "same" (default) uses `grad_bits`. E.g. `grad_bits=8, grad_node_bits=4` moves
         int8 inside a node and packed int4 across nodes.
       grad_node_block_size: values per quantization block on gradient hop 2; None
         (default) uses `grad_block_size`. Hop 2 then re-blocks the partial sums (blocks
@@ -143,15 +150,19 @@ class ZeroPPConfig:
         most one more layer of full weights in flight. False gathers each weight just
         before its use.
       shared_grad: how the gradient of a weight read by several equations (a tied
-        embedding: the input lookup and the output head) is reduced. "once" (default)
-        sums the uses' full-size gradients on each device and reduces the sum once, so
-        the first use's gradient (the head's, at the start of the backward) is held, in
-        the compute dtype, until the last use's (the lookup's, at its end). "per_use"
-        reduces each use's gradient as soon as it is made and holds nothing full-size:
-        a memory saving of that weight's size in the compute dtype through the whole
-        backward, for one more gradient reduction of the weight per extra use (more
-        gradient bytes, shown in the ledger, and one more quantization event on that
-        weight's gradient with qgZ). Incompatible with `error_feedback`.
+        embedding: the input lookup and the output head) is reduced. "once" sums the
+        uses' full-size gradients on each device and reduces the sum once, so the first
+        use's gradient (the head's, at the start of the backward) is held, in the compute
+        dtype, until the last use's (the lookup's, at its end). "per_use" reduces each
+        use's gradient as soon as it is made and holds nothing full-size: a memory saving
+        of that weight's size in the compute dtype through the whole backward, for one
+        more gradient reduction of the weight per extra use (more gradient bytes, shown
+        in the ledger, and one more quantization event on that weight's gradient with
+        qgZ); incompatible with `error_feedback`. "auto" (default) picks per weight:
+        "per_use" where holding its gradient whole would cost more than
+        `choices.PER_USE_ABOVE` (a fifth) of the device's stored master weights (a large
+        vocabulary on a large mesh), else "once"; always "once" with `error_feedback`.
+        `choices.per_use_leaves` says which weights run "per_use"; the trainer prints it.
       skip_nonfinite_updates: if True, a step whose gradients hold NaN or Inf leaves the
         parameters and optimizer state unchanged (the step counter and a skipped-step
         counter still advance) instead of writing non-finite values into the master weights.
@@ -166,7 +177,7 @@ class ZeroPPConfig:
     kernels: str = "auto"
     grad_reduce: str = "auto"
     prefetch: bool = True
-    shared_grad: str = "once"
+    shared_grad: str = "auto"
     skip_nonfinite_updates: bool = False
     weight_local_bits: int | str | None = SAME
     grad_node_bits: int | str | None = SAME

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from zeropp_jax import partition as part
 from zeropp_jax import placement
 from zeropp_jax import residuals as R
-from zeropp_jax.choices import Plan, resolve, rounding_key
+from zeropp_jax.choices import Plan, per_use_leaves, resolve, rounding_key
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.kernels import shard_map_mesh
 from zeropp_jax.leaf_gathers import LeafGathers, per_leaf, residuals_per_leaf
@@ -276,7 +276,7 @@ class _Island:
             (batch, rep, oth, keys),
             gathers,
             self.plan.prefetch,
-            per_use_reduce=self.plan.per_use_reduce,
+            per_use=per_use_leaves(self.plan, layouts),
         )
 
 

@@ -23,7 +23,7 @@ value (its per-device shard, not yet gathered):
 - a weight read more than once (a tied embedding) is gathered once, at its first use, and
   held until its last; each use's backward re-gathers it. Its cotangent leaves through one
   gradient reduction of the uses' sum (the first use's full-size gradient waits for the
-  last one), or, with `per_use_reduce`, each use reduces its own gradient as it is made
+  last one), or, for a leaf in `per_use`, each use reduces its own gradient as it is made
   (one more reduction of the leaf per extra use, nothing full-size held);
 - a weight read inside a `cond` or `while`, or by a scan this module does not rebuild (a
   weight among its constants or carry, a chain that merges or broadcasts the layer axis,
@@ -96,7 +96,7 @@ class Context:
     gathers: dataflow.Gathers
     prefetch: bool
     uses: dict[int, int]
-    per_use_reduce: bool = False
+    per_use: frozenset[int] = frozenset()
     shared: dict[int, tuple[Any, Any, Any]] = dataclasses.field(default_factory=dict)
     reductions: dict[int, int] = dataclasses.field(default_factory=dict)
     tie: Any = None
@@ -241,7 +241,7 @@ def _checkpointed(remat: jaxpr_compat.Remat, invals: list[Any], ctx: Context) ->
             ctx.gathers,
             ctx.prefetch,
             ctx.uses,
-            ctx.per_use_reduce,
+            ctx.per_use,
             reductions=ctx.reductions,
             warned=ctx.warned,
         )
@@ -350,8 +350,8 @@ def _at_shared_use(
 ):
     """One use of weights gathered once for several uses: the forward reads the shared
     full weight; the backward re-gathers it (from the secondary shard with hpZ) rather
-    than keeping it, and returns the weight's cotangent to the shared gather. With
-    `ctx.per_use_reduce` the backward reduces that cotangent itself and returns it to the
+    than keeping it, and returns the weight's cotangent to the shared gather. For a leaf
+    in `ctx.per_use` the backward reduces that cotangent itself and returns it to the
     stored shard's piece (`own`); the shared gather then gets none and reduces nothing."""
     g = ctx.gathers
     lazies = [invals[i] for i in lazy_idx]
@@ -363,14 +363,17 @@ def _at_shared_use(
     wires = [lax.stop_gradient(w) for _, w, _ in got]
     pieces = [p for _, _, p in got]
     fixed = [g.fixed(leaf) for leaf in leaves]
-    own: list[jax.Array] = []
-    nth: list[int] = []
-    if ctx.per_use_reduce:
-        flats = [lax.stop_gradient(f) for f in flats]
-        own = [part.piece(lz.shard, g.layout(lz.leaf)) for lz in lazies]
-        # Each reduction of the leaf draws its own stochastic-rounding noise.
-        nth = [ctx.reductions.get(leaf, 0) for leaf in leaves]
-        ctx.reductions.update({leaf: n + 1 for leaf, n in zip(leaves, nth, strict=True)})
+    per_use = [leaf in ctx.per_use for leaf in leaves]
+    flats = [lax.stop_gradient(f) if u else f for f, u in zip(flats, per_use, strict=True)]
+    own = [
+        part.piece(lz.shard, g.layout(lz.leaf)) if u else None
+        for lz, u in zip(lazies, per_use, strict=True)
+    ]
+    # Each reduction of a leaf reduced per use draws its own stochastic-rounding noise.
+    nth = [ctx.reductions.get(leaf, 0) for leaf in leaves]
+    ctx.reductions.update(
+        {leaf: n + 1 for leaf, n, u in zip(leaves, nth, per_use, strict=True) if u}
+    )
 
     def run_eqn(acts, weights):
         merged: list[Any] = [None] * len(invals)
@@ -404,13 +407,12 @@ def _at_shared_use(
         ]
         d_acts, d_flat = _pull(run_eqn, full, vjp, acts, again, cts)
         zero = functools.partial(jax.tree_util.tree_map, dataflow.zero_cotangent)
-        if not ctx.per_use_reduce:
-            return [], list(d_flat), list(d_acts), zero(wires), zero(pieces), zero(fixed)
         d_own = [
-            g.reduce(leaf, dw, f, (), jnp.int32(n))[0]
-            for leaf, dw, f, n in zip(leaves, d_flat, fixed, nth, strict=True)
+            g.reduce(leaf, dw, f, (), jnp.int32(n))[0] if u else None
+            for leaf, dw, f, n, u in zip(leaves, d_flat, fixed, nth, per_use, strict=True)
         ]
-        return d_own, zero(d_flat), list(d_acts), zero(wires), zero(pieces), zero(fixed)
+        d_shared = [zero(dw) if u else dw for dw, u in zip(d_flat, per_use, strict=True)]
+        return d_own, d_shared, list(d_acts), zero(wires), zero(pieces), zero(fixed)
 
     use.defvjp(use_fwd, use_bwd)
     return use(own, flats, acts, wires, pieces, fixed)
@@ -560,7 +562,7 @@ def run_placed(
     others: Any,
     gathers: dataflow.Gathers,
     prefetch: bool,
-    per_use_reduce: bool = False,
+    per_use: frozenset[int] = frozenset(),
 ) -> Any:
     """`model(weights, *others)` with every sharded weight gathered where it is used.
 
@@ -576,8 +578,8 @@ def run_placed(
       others: a tuple of the model's other inputs (pytrees of arrays).
       gathers: how each sharded leaf is gathered and reduced.
       prefetch: gather each weight one use (one layer) ahead.
-      per_use_reduce: a weight read by several equations reduces each use's gradient as
-        it is made, instead of the sum of all uses' once (`ZeroPPConfig.shared_grad`).
+      per_use: the leaves that, read by several equations, reduce each use's gradient as
+        it is made, instead of the sum of all uses' once (`choices.per_use_leaves`).
 
     Returns:
       The model's output pytree.
@@ -596,7 +598,7 @@ def run_placed(
             args.append(w)
     args.extend(flat_others)
     lazy_leaves = {closed.jaxpr.invars[i]: i for i in sharded}
-    ctx = Context(gathers, prefetch, count_uses(closed.jaxpr, lazy_leaves), per_use_reduce)
+    ctx = Context(gathers, prefetch, count_uses(closed.jaxpr, lazy_leaves), per_use)
     outs = evaluate(closed.jaxpr, closed.consts, args, ctx)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 

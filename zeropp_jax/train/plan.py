@@ -69,6 +69,7 @@ import dataclasses
 import math
 from typing import Any
 
+from zeropp_jax import choices
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.train.model import GPTConfig
 
@@ -98,7 +99,8 @@ def _config_fields(config: ZeroPPConfig) -> dict[str, Any]:
         weight_block_size=config.weight_block_size,
         hierarchical=config.hierarchical,
         prefetch=config.prefetch,
-        per_use_reduce=config.shared_grad == "per_use",
+        # "auto" is decided in `estimate`, from the table's size and the mesh.
+        per_use_reduce=None if config.shared_grad == "auto" else config.shared_grad == "per_use",
     )
 
 
@@ -280,6 +282,11 @@ def estimate(
         padded = param_count(gpt)
         rest = (gpt.vocab_size + gpt.seq_len + 2) * gpt.d_model
         block_params = (padded - rest) // gpt.n_layers
+    if per_use_reduce is None:  # shared_grad="auto": as `choices.per_use_leaves` decides
+        table = gpt.vocab_size * gpt.d_model
+        per_use_reduce = config.error_feedback is None and (
+            c * table > choices.PER_USE_ABOVE * FLOAT * padded / n
+        )
     secondary = 0
     if hierarchical and not replicated:
         bits = 8 * c if weight_bits is None else weight_bits

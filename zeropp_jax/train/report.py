@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from zeropp_jax import choices
 from zeropp_jax.train.flags import PROG, gpt_config, zeropp_config
 from zeropp_jax.train.platform import check_batch, make_mesh
 
@@ -55,11 +56,27 @@ def ledger_table(ledgers: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def config_text(config: Any) -> str:
-    """One line naming the engine a `ZeroPPConfig` (None: XLA FSDP) runs."""
+def shared_grad_text(config: Any, state: Any = None) -> str:
+    """How the tied embedding's gradient is reduced, for `config_text`: "" for "once",
+    ", tied gradients reduced per use", and for `shared_grad="auto"` which of the two it
+    picked on `state`'s mesh (the decision for the largest leaf, the table; without a
+    state, both are named)."""
+    if config.shared_grad != "auto":
+        return "" if config.shared_grad == "once" else ", tied gradients reduced per use"
+    if state is None:
+        return ", tied gradients reduced once or per use (auto)"
+    layouts = state.layouts[1]
+    table = max(range(len(layouts)), key=lambda i: layouts[i].size)
+    per_use = table in choices.per_use_leaves(state.plan, layouts)
+    return f", tied gradients reduced {'per use' if per_use else 'once'} (auto)"
+
+
+def config_text(config: Any, state: Any = None) -> str:
+    """One line naming the engine a `ZeroPPConfig` (None: XLA FSDP) runs (on `state`, a
+    `zpp.TrainState`, to say what `shared_grad="auto"` picked there)."""
     if config is None:
         return "XLA FSDP (jax.jit, parameters and optimizer state sharded over all devices)"
-    per_use = ", tied gradients reduced per use" if config.shared_grad == "per_use" else ""
+    per_use = shared_grad_text(config, state)
     if config.is_zero3:
         return f"ZeRO-3 ({config.compute_dtype.name}{per_use})"
     return (
@@ -147,7 +164,8 @@ def plan_report(args: argparse.Namespace, *, train_step: Callable, tx: Any) -> s
         f"{PROG} --plan: {count / 1e6:.2f}M parameters ({args.model}: d_model {args.d_model}, "
         f"{args.n_layers} layers, {args.n_heads} heads, vocabulary {args.vocab_size}, "
         f"{'scanned' if args.scan_layers else 'unrolled'}, remat {args.remat}); "
-        f"{config_text(config)}; {args.optimizer}; a {nodes} x {local} mesh of "
+        f"{config_text(config, state if config is not None else None)}; {args.optimizer}; "
+        f"a {nodes} x {local} mesh of "
         f"{jax.default_backend()} devices; batch {args.batch} ({args.batch // mesh.size} per "
         f"device) x {args.seq_len} tokens. Compiled from shapes; nothing was allocated."
     )
