@@ -186,3 +186,17 @@ def test_model_ranks_draw_different_rounding_noise():
     for r in (0, 1):
         np.testing.assert_array_equal(rows[model_rank == r], rows[model_rank == r][:1].repeat(4, 0))
     assert reductions.model_rank_key(None, axis_name="model") is None
+
+
+def test_two_hop_takes_a_spec_or_its_fields_not_both():
+    from zeropp_jax.reductions import TwoHop
+
+    spec = TwoHop(bits=4, block_size=64, node_bits=4, node_block_size=64)
+    assert (
+        TwoHop.of(None, dict(bits=4, block_size=64, node_bits=4, node_block_size=64), "f") == spec
+    )
+    assert TwoHop.of(spec, {}, "f") is spec
+    with pytest.raises(TypeError, match="f: pass a TwoHop or its fields"):
+        TwoHop.of(spec, {"bits": 8}, "f")
+    with pytest.raises(TypeError):
+        TwoHop.of(None, {"bitz": 8}, "f")  # a misspelt field is not silently dropped

@@ -15,13 +15,13 @@ Either may be None: that hop then runs without feedback.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from zeropp_jax import reductions
-from zeropp_jax.quant import XLA_CODEC, Codec
-from zeropp_jax.wire import Format
 
 
 def _check_residual(name: str, r: jax.Array | None, shape: tuple[int, ...], fmt) -> None:
@@ -43,17 +43,10 @@ def two_hop_reduce_scatter_feedback(
     x: jax.Array,
     hop1_residual: jax.Array | None,
     hop2_residual: jax.Array | None,
+    spec: reductions.TwoHop | None = None,
     *,
-    bits: Format | None,
-    block_size: int,
-    node_bits: Format | None,
-    node_block_size: int,
-    node_axis: str = "node",
-    local_axis: str = "local",
-    codec: Codec = XLA_CODEC,
     key: jax.Array | None = None,
-    rotation_block_size: int | None = None,
-    node_rotation_block_size: int | None = None,
+    **fields: Any,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """`reductions.two_hop_reduce_scatter` with error feedback on either hop.
 
@@ -66,19 +59,12 @@ def two_hop_reduce_scatter_feedback(
       x: per-device gradient `(N * rows, ...)` in partition order.
       hop1_residual: float32 `(N * rows, ...)` or None (no feedback on hop 1).
       hop2_residual: float32 `(num_nodes * rows, ...)` or None (no feedback on hop 2).
-      bits: format on hop 1 (a format of `quant.FORMATS`) or None for an unquantized hop.
-      block_size: values per quantization block on hop 1.
-      node_bits: format on hop 2 (a format of `quant.FORMATS`) or None for an unquantized hop.
-      node_block_size: values per quantization block on hop 2.
-      node_axis: name of the inter-node mesh axis.
-      local_axis: name of the intra-node mesh axis.
-      codec: block quantization implementation.
+      spec: what each hop sends (`reductions.TwoHop`); or give its attributes as keywords.
       key: a PRNG key, the same on every device, for stochastic rounding on both hops
         (see `reductions.hop_keys`); None rounds to nearest.
-      rotation_block_size: Hadamard rotation block on hop 1, or None (see
-        `reductions.two_hop_reduce_scatter`). The residual is what the rotated
-        quantization lost, rotated back: `c - rotate(dequant(q(rotate(c))))`.
-      node_rotation_block_size: the same for hop 2.
+      **fields: `reductions.TwoHop`'s attributes, when `spec` is not given. With a
+        rotation, the residual is what the rotated quantization lost, rotated back:
+        `c - rotate(dequant(q(rotate(c))))`.
 
     Returns:
       `(sum, new_hop1_residual, new_hop2_residual)`: float32 `(rows, ...)`, the sum over all
@@ -87,26 +73,13 @@ def two_hop_reduce_scatter_feedback(
     Raises:
       ValueError: for a residual on an unquantized or absent hop, or of the wrong shape.
     """
-    nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
+    spec = reductions.TwoHop.of(spec, fields, "two_hop_reduce_scatter_feedback")
+    nn, ll = lax.axis_size(spec.node_axis), lax.axis_size(spec.local_axis)
     rows = x.shape[0] // (nn * ll)
     if ll == 1 and hop1_residual is not None:
         raise ValueError("two_hop_reduce_scatter_feedback: no hop 1 on a 1-device node.")
     if nn == 1 and hop2_residual is not None:
         raise ValueError("two_hop_reduce_scatter_feedback: no hop 2 on a 1-node mesh.")
-    _check_residual("hop-1", hop1_residual, tuple(x.shape), bits)
-    _check_residual("hop-2", hop2_residual, (nn * rows, *x.shape[1:]), node_bits)
-    return reductions.two_hop_with_residuals(
-        x,
-        hop1_residual,
-        hop2_residual,
-        bits=bits,
-        block_size=block_size,
-        node_bits=node_bits,
-        node_block_size=node_block_size,
-        node_axis=node_axis,
-        local_axis=local_axis,
-        codec=codec,
-        key=key,
-        rotation_block_size=rotation_block_size,
-        node_rotation_block_size=node_rotation_block_size,
-    )
+    _check_residual("hop-1", hop1_residual, tuple(x.shape), spec.bits)
+    _check_residual("hop-2", hop2_residual, (nn * rows, *x.shape[1:]), spec.node_bits)
+    return reductions.two_hop_with_residuals(x, hop1_residual, hop2_residual, spec, key)

@@ -14,7 +14,9 @@ None of these functions looks up a mesh, a device count or a config: group sizes
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -196,19 +198,48 @@ def model_rank_key(key: jax.Array | None, *, axis_name: str) -> jax.Array | None
     return jax.random.fold_in(key, lax.axis_index(axis_name))
 
 
+@dataclasses.dataclass(frozen=True)
+class TwoHop:
+    """What the two-hop gradient reduction (qgZ) sends on each hop: hop 1 over
+    `local_axis`, hop 2 over `node_axis`.
+
+    Attributes:
+      bits: format on hop 1 (a format of `quant.FORMATS`) or None for an unquantized hop.
+      block_size: values per quantization block on hop 1.
+      node_bits: format on hop 2 (a format of `quant.FORMATS`) or None for an unquantized
+        hop.
+      node_block_size: values per quantization block on hop 2.
+      codec: block quantization implementation.
+      rotation_block_size: Hadamard rotation block on hop 1 (a power of two dividing
+        `block_size`; smaller blocks of a small piece cap it), or None for no rotation.
+      node_rotation_block_size: the same for hop 2 (dividing `node_block_size`).
+      node_axis: name of the inter-node mesh axis.
+      local_axis: name of the intra-node mesh axis.
+    """
+
+    bits: Format | None
+    block_size: int
+    node_bits: Format | None
+    node_block_size: int
+    codec: Codec = XLA_CODEC
+    rotation_block_size: int | None = None
+    node_rotation_block_size: int | None = None
+    node_axis: str = "node"
+    local_axis: str = "local"
+
+    @classmethod
+    def of(cls, spec: TwoHop | None, fields: dict[str, Any], where: str) -> TwoHop:
+        """`spec`, or one built from `fields` (the attributes as keywords); not both."""
+        if spec is not None and fields:
+            raise TypeError(
+                f"{where}: pass a TwoHop or its fields as keywords, not both (got "
+                f"{sorted(fields)} beside a TwoHop)."
+            )
+        return spec if spec is not None else cls(**fields)
+
+
 def two_hop_reduce_scatter(
-    x: jax.Array,
-    *,
-    bits: Format | None,
-    block_size: int,
-    node_bits: Format | None,
-    node_block_size: int,
-    node_axis: str = "node",
-    local_axis: str = "local",
-    codec: Codec = XLA_CODEC,
-    key: jax.Array | None = None,
-    rotation_block_size: int | None = None,
-    node_rotation_block_size: int | None = None,
+    x: jax.Array, spec: TwoHop | None = None, *, key: jax.Array | None = None, **fields: Any
 ) -> jax.Array:
     """qgZ: hierarchical gradient reduction, hop 1 over `local`, hop 2 over `node`.
 
@@ -228,18 +259,10 @@ def two_hop_reduce_scatter(
 
     Args:
       x: per-device gradient `(N * rows, ...)` in partition order.
-      bits: format on hop 1 (a format of `quant.FORMATS`) or None for an unquantized hop.
-      block_size: values per quantization block on hop 1.
-      node_bits: format on hop 2 (a format of `quant.FORMATS`) or None for an unquantized hop.
-      node_block_size: values per quantization block on hop 2.
-      node_axis: name of the inter-node mesh axis.
-      local_axis: name of the intra-node mesh axis.
-      codec: block quantization implementation.
+      spec: what each hop sends (`TwoHop`); or give its attributes as keywords.
       key: a PRNG key, the same on every device, for stochastic rounding on both hops
         (see `hop_keys`); None rounds to nearest.
-      rotation_block_size: Hadamard rotation block on hop 1 (a power of two dividing
-        `block_size`; smaller blocks of a small piece cap it), or None for no rotation.
-      node_rotation_block_size: the same for hop 2 (dividing `node_block_size`).
+      **fields: `TwoHop`'s attributes, when `spec` is not given.
 
     Returns:
       float32 `(rows, ...)`: the sum over all devices of this device's piece.
@@ -248,38 +271,16 @@ def two_hop_reduce_scatter(
       ValueError: for a rotation on an unquantized hop, or a rotation block that is not a
         power of two dividing its hop's quantization block.
     """
-    return two_hop_with_residuals(
-        x,
-        None,
-        None,
-        bits=bits,
-        block_size=block_size,
-        node_bits=node_bits,
-        node_block_size=node_block_size,
-        node_axis=node_axis,
-        local_axis=local_axis,
-        codec=codec,
-        key=key,
-        rotation_block_size=rotation_block_size,
-        node_rotation_block_size=node_rotation_block_size,
-    )[0]
+    spec = TwoHop.of(spec, fields, "two_hop_reduce_scatter")
+    return two_hop_with_residuals(x, None, None, spec, key)[0]
 
 
 def two_hop_with_residuals(
     x: jax.Array,
     hop1_residual: jax.Array | None,
     hop2_residual: jax.Array | None,
-    *,
-    bits: Format | None,
-    block_size: int,
-    node_bits: Format | None,
-    node_block_size: int,
-    node_axis: str = "node",
-    local_axis: str = "local",
-    codec: Codec = XLA_CODEC,
+    spec: TwoHop,
     key: jax.Array | None = None,
-    rotation_block_size: int | None = None,
-    node_rotation_block_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """`two_hop_reduce_scatter` with error feedback: the residuals in, the new ones out.
 
@@ -288,6 +289,11 @@ def two_hop_with_residuals(
     new_hop2_residual)`: what each quantization lost (in the unrotated basis), None for a
     hop given None. With two Nones it is the plain reduction;
     `feedback.two_hop_reduce_scatter_feedback` checks the residuals before calling it."""
+    bits, block_size, codec = spec.bits, spec.block_size, spec.codec
+    node_bits, node_block_size = spec.node_bits, spec.node_block_size
+    node_axis, local_axis = spec.node_axis, spec.local_axis
+    rotation_block_size = spec.rotation_block_size
+    node_rotation_block_size = spec.node_rotation_block_size
     nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
     n = nn * ll
     if x.shape[0] % n:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ from zeropp_jax.collectives import (
     secondary_gather,
 )
 from zeropp_jax.quant import XLA_CODEC, Codec
-from zeropp_jax.reductions import flat_reduce_scatter, two_hop_reduce_scatter
+from zeropp_jax.reductions import TwoHop, flat_reduce_scatter, two_hop_reduce_scatter
 from zeropp_jax.wire import Format, to_wire
 
 SECONDARY_NAME = "zeropp_secondary"
@@ -85,14 +84,10 @@ class GatherSpec:
     grad_rotation_block_size: int | None = None
     grad_hop2_rotation_block_size: int | None = None
 
-    def two_hop_kwargs(self) -> dict[str, Any]:
-        """The keywords of `reductions.two_hop_reduce_scatter` for this reduction.
-
-        The format, block size and rotation of both hops, and the codec; the same
-        keywords serve `feedback.two_hop_reduce_scatter_feedback`. Add `key` for
-        stochastic rounding.
-        """
-        return dict(
+    def two_hop_spec(self) -> TwoHop:
+        """What each hop of this two-hop gradient reduction sends (the format, block size
+        and rotation of both hops, and the codec)."""
+        return TwoHop(
             bits=self.grad_bits,
             block_size=self.grad_block_size,
             node_bits=self.grad_hop2_bits,
@@ -321,10 +316,10 @@ def reduce_gradient(
         return dx, ()
     if residuals:
         dx, r1, r2 = feedback.two_hop_reduce_scatter_feedback(
-            g, *residuals, **spec.two_hop_kwargs(), key=key
+            g, *residuals, spec.two_hop_spec(), key=key
         )
         return dx, (r1, r2)
-    return two_hop_reduce_scatter(g, **spec.two_hop_kwargs(), key=key), ()
+    return two_hop_reduce_scatter(g, spec.two_hop_spec(), key=key), ()
 
 
 _gather_full.defvjp(_gather_full_fwd, _gather_full_bwd, optimize_remat=True)
