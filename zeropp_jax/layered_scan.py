@@ -200,17 +200,56 @@ def run(
         weight has any). Layer i's gradient reduction reads layer i's cut of them; their
         cotangents are the new residuals, every layer's.
     """
-    g = loop.gathers
     feedback = [()] * len(loop.leaves) if feedback is None else list(feedback)
-    whole = loop.kept_whole()
-    rewire = loop.rewired()
-    split = _Split.of(loop)
-    # How one layer's kept VJP flattens (its treedef and leaf dtypes), set when the forward
-    # is traced and read when the backward is.
-    traced: dict[str, Any] = {}
+    r = _Run(loop)
 
-    def fetch(shards, fixed, i, after):
+    @jax.custom_vjp
+    def scan(shards, feedback, consts, init, plain, fixed, tie):
+        c, ys, _ = r.forward(shards, consts, init, plain, fixed, tie, False)
+        return c, ys
+
+    def scan_fwd(shards, feedback, consts, init, plain, fixed, tie):
+        c, ys, saved = r.forward(shards, consts, init, plain, fixed, tie, True)
+        return (c, ys), (shards, feedback, consts, plain, fixed, saved, tie)
+
+    def scan_bwd(res, cts):
+        shards, feedback, consts, plain, fixed, saved, tie = res
+        g_carry, g_ys = cts
+        d_shards, new_feedback, d_consts, d_init, d_plain = r.backward(
+            shards, feedback, consts, plain, fixed, saved, g_carry, g_ys
+        )
+        return (
+            d_shards,
+            new_feedback,
+            d_consts,
+            d_init,
+            d_plain,
+            jax.tree_util.tree_map(dataflow.zero_cotangent, fixed),
+            None if tie is None else dataflow.zero_cotangent(tie),
+        )
+
+    scan.defvjp(scan_fwd, scan_bwd)
+    c, ys = scan(shards, feedback, consts, list(init), plain, fixed, tie)
+    return [*c, *ys]
+
+
+class _Run:
+    """One run of a `Loop`: its forward (layer i gathered per iteration) and its backward
+    (layer i re-gathered, its kept VJP applied, its gradient reduced), the two halves of
+    `run`'s custom VJP."""
+
+    def __init__(self, loop: Loop) -> None:
+        self.loop = loop
+        self.whole = loop.kept_whole()
+        self.rewire = loop.rewired()
+        self.split = _Split.of(loop)
+        # How one layer's kept VJP flattens (its treedef and leaf dtypes), set when the
+        # forward is traced and read when the backward is.
+        self.traced: dict[str, Any] = {}
+
+    def fetch(self, shards, fixed, i, after):
         """Layer i's `(flats, wires)`, gathered once `after` exists."""
+        loop, g = self.loop, self.loop.gathers
         pieces = dataflow.tie(after, _take(shards, i))
         fixed = loop.fixed_at(fixed, i)
         wires = [g.wire(leaf, p, f) for leaf, p, f in zip(loop.leaves, pieces, fixed, strict=True)]
@@ -220,11 +259,12 @@ def run(
         ]
         return flats, wires
 
-    def forward(shards, consts, init, plain, fixed, tie, save):
+    def forward(self, shards, consts, init, plain, fixed, tie, save):
         """`(carry, ys, saved)`; with `save`, `saved` holds per layer (stacked) what its
         backward reads: the VJP of the layer without its weights, and the wires (or, for
         `whole` weights, the gathered layer; nothing for `rewire` ones) to re-gather
         them from."""
+        loop = self.loop
 
         def compute(i, c, fetched):
             flats, wires = fetched
@@ -233,51 +273,55 @@ def run(
                 xs_i = loop.xs(x_plain, loop.weights(flats))
                 out = jaxpr_compat.eval_jaxpr(loop.body.jaxpr, loop.body.consts, *consts, *c, *xs_i)
                 return out[: loop.num_carry], (out[loop.num_carry :], ())
-            (new_c, y), vjp = split.vjp(loop.weights(flats), consts, c, x_plain)
-            leaves, traced["tree"] = jax.tree_util.tree_flatten(vjp)
-            traced["dtypes"] = [jnp.result_type(x) for x in leaves]
+            (new_c, y), vjp = self.split.vjp(loop.weights(flats), consts, c, x_plain)
+            leaves, self.traced["tree"] = jax.tree_util.tree_flatten(vjp)
+            self.traced["dtypes"] = [jnp.result_type(x) for x in leaves]
             kept = [
                 f if keep else () if again else w
-                for f, w, keep, again in zip(flats, wires, whole, rewire, strict=True)
+                for f, w, keep, again in zip(flats, wires, self.whole, self.rewire, strict=True)
             ]
             return new_c, (y, (_to_bits(leaves), kept))
 
-        fetch_ = lambda i, after: fetch(shards, fixed, i, after)  # noqa: E731
+        fetch = lambda i, after: self.fetch(shards, fixed, i, after)  # noqa: E731
         c, (ys, saved) = pipelined(
-            fetch_, compute, list(init), tie, loop.length, loop.lookahead, reverse=False
+            fetch, compute, list(init), tie, loop.length, loop.lookahead, reverse=False
         )
         return c, ys, saved
 
-    def backward(shards, feedback, consts, plain, fixed, saved, g_carry, g_ys):
+    def fetch_back(self, shards, kept, fixed, i, after):
+        """Layer i's gathered weights for the backward, once `after` exists: re-gathered
+        from the kept wires (or wires computed again), or the kept layer itself."""
+        loop, g = self.loop, self.loop.gathers
+        kept_i, pieces = dataflow.tie(after, (_take(kept, i), _take(shards, i)))
+        fixed_i = loop.fixed_at(fixed, i)
+        kept_i = [
+            g.wire(leaf, p, f) if again else w
+            for leaf, p, w, f, again in zip(
+                loop.leaves, pieces, kept_i, fixed_i, self.rewire, strict=True
+            )
+        ]
+        return [
+            w if keep else g.gather(leaf, p, w, f, True)
+            for leaf, p, w, f, keep in zip(
+                loop.leaves, pieces, kept_i, fixed_i, self.whole, strict=True
+            )
+        ]
+
+    def backward(self, shards, feedback, consts, plain, fixed, saved, g_carry, g_ys):
         """Layers in reverse: re-gather layer i once the cotangent reaching it exists,
         apply its kept VJP, reduce its weights' gradients."""
+        loop, g = self.loop, self.loop.gathers
         res_bits, kept = saved
         floats = [dataflow.is_inexact(x) for x in plain]
         g_cs = [jnp.zeros_like(x) for x in consts if dataflow.is_inexact(x)]
 
-        def fetch_back(i, after):
-            kept_i, pieces = dataflow.tie(after, (_take(kept, i), _take(shards, i)))
-            fixed_i = loop.fixed_at(fixed, i)
-            kept_i = [
-                g.wire(leaf, p, f) if again else w
-                for leaf, p, w, f, again in zip(
-                    loop.leaves, pieces, kept_i, fixed_i, rewire, strict=True
-                )
-            ]
-            return [
-                w if keep else g.gather(leaf, p, w, f, True)
-                for leaf, p, w, f, keep in zip(
-                    loop.leaves, pieces, kept_i, fixed_i, whole, strict=True
-                )
-            ]
-
         def compute(i, carry, flats):
             g_c, g_cs = carry
-            leaves = _from_bits(_take(res_bits, i), traced["dtypes"])
-            vjp = jax.tree_util.tree_unflatten(traced["tree"], leaves)
-            weights, pull_weights = jax.vjp(lambda f: split.prologue(loop.weights(f)), flats)
+            leaves = _from_bits(_take(res_bits, i), self.traced["dtypes"])
+            vjp = jax.tree_util.tree_unflatten(self.traced["tree"], leaves)
+            weights, pull_weights = jax.vjp(lambda f: self.split.prologue(loop.weights(f)), flats)
             x_plain = _take(plain, i)
-            d_pre, d_consts, g_c, d_plain = split.pull(
+            d_pre, d_consts, g_c, d_plain = self.split.pull(
                 vjp, weights, consts, x_plain, g_c, _take(g_ys, i)
             )
             (d_flats,) = pull_weights(d_pre)
@@ -295,8 +339,9 @@ def run(
             ]
             return (g_c, g_cs), (d_plain, d_layers, [r for _, r in reduced])
 
+        fetch = lambda i, after: self.fetch_back(shards, kept, fixed, i, after)  # noqa: E731
         (g_c, g_cs), (d_plain, d_pieces, new_feedback) = pipelined(
-            fetch_back, compute, (g_carry, g_cs), g_carry, loop.length, loop.lookahead, reverse=True
+            fetch, compute, (g_carry, g_cs), g_carry, loop.length, loop.lookahead, reverse=True
         )
         d_plain = [
             d if fl else dataflow.zero_cotangent(x)
@@ -305,35 +350,6 @@ def run(
         new_feedback = loop.residuals_of(new_feedback)
         d_pieces = [d.reshape(x.shape) for d, x in zip(d_pieces, shards, strict=True)]
         return d_pieces, new_feedback, _consts_cotangent(consts, g_cs), g_c, d_plain
-
-    @jax.custom_vjp
-    def scan(shards, feedback, consts, init, plain, fixed, tie):
-        c, ys, _ = forward(shards, consts, init, plain, fixed, tie, False)
-        return c, ys
-
-    def scan_fwd(shards, feedback, consts, init, plain, fixed, tie):
-        c, ys, saved = forward(shards, consts, init, plain, fixed, tie, True)
-        return (c, ys), (shards, feedback, consts, plain, fixed, saved, tie)
-
-    def scan_bwd(res, cts):
-        shards, feedback, consts, plain, fixed, saved, tie = res
-        g_carry, g_ys = cts
-        d_shards, new_feedback, d_consts, d_init, d_plain = backward(
-            shards, feedback, consts, plain, fixed, saved, g_carry, g_ys
-        )
-        return (
-            d_shards,
-            new_feedback,
-            d_consts,
-            d_init,
-            d_plain,
-            jax.tree_util.tree_map(dataflow.zero_cotangent, fixed),
-            None if tie is None else dataflow.zero_cotangent(tie),
-        )
-
-    scan.defvjp(scan_fwd, scan_bwd)
-    c, ys = scan(shards, feedback, consts, list(init), plain, fixed, tie)
-    return [*c, *ys]
 
 
 @dataclasses.dataclass(frozen=True)
