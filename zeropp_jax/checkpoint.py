@@ -29,14 +29,14 @@ import os
 import shutil
 import uuid
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from zeropp_jax import optimizer_view
 from zeropp_jax import partition as part
@@ -281,10 +281,50 @@ def restore_checkpoint(
     meta = read_metadata(path)
     _check_compatible(meta, target)
     want = _saved_tree(target, residuals=False)
-    want_leaves, want_def = jax.tree_util.tree_flatten(want)
-    shapes = [tuple(s) for s in meta["stored_shapes"]]
-    keys = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
-    is_opt = [k.startswith("['opt_state']") for k in keys]
+    _check_optimizer_state(meta, target, want, reset_optimizer)
+    leaves = _leaf_plans(meta, target, want)
+    abstract_tree = _abstract_state(meta, target, want, leaves, reset_optimizer)
+    keep_refs = _refs_match(meta, target)
+    if meta.get("weight_ref"):
+        abstract_tree[REFS_KEY] = _abstract_refs(meta["weight_ref"], target, keep_refs)
+    loaded = _read_state(path, abstract_tree)
+    # Called here, not in a helper: its warning names the caller of restore_checkpoint.
+    residuals = _restored_residuals(loaded.pop("error_feedback", None), meta, target)
+    loaded_refs = loaded.pop(REFS_KEY, None)
+    fitted = [
+        _fit_leaf(x, leaf, reset_optimizer)
+        for x, leaf in zip(jax.tree_util.tree_leaves(loaded), leaves, strict=True)
+    ]
+    loaded = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(want), fitted)
+    restored = target.replace(
+        step=loaded["step"],
+        params=R.join(loaded["params"], residuals),
+        opt_state=loaded["opt_state"],
+        skipped_steps=loaded["skipped_steps"],
+        grads_finite=jax.device_put(jnp.array(True), NamedSharding(target.mesh, part.REPLICATED)),
+    )
+    return _with_references(restored, loaded_refs, keep_refs)
+
+
+class _Leaf(NamedTuple):
+    """How one leaf of the saved tree is read and fitted to the target's leaf."""
+
+    shape: tuple[int, ...]  # as stored in the checkpoint
+    target: Any  # the target's leaf: an array or a `jax.ShapeDtypeStruct`
+    relayout: tuple[part.LeafLayout, part.LeafLayout] | None  # (saved, target) layouts
+    is_opt: bool  # an optimizer state leaf
+    stacked: part.LeafLayout | None  # the stacked parameter's layout it is or mirrors
+    flat: bool  # a stacked leaf stored flat per layer (layouts 1 and 2)
+
+
+def _leaf_keys(want: dict[str, Any]) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
+
+
+def _check_optimizer_state(
+    meta: dict[str, Any], target: TrainState, want: dict[str, Any], reset_optimizer: bool
+) -> None:
+    """Raises where the saved optimizer state cannot be restored onto `target` as asked."""
     if reset_optimizer:
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(want)):
             raise ValueError(
@@ -292,17 +332,24 @@ def restore_checkpoint(
                 "state, but the target holds only shapes (TrainState.abstract); build it "
                 "with TrainState.create."
             )
-    else:
-        opt = [
-            (k, tuple(x.shape), s)
-            for k, x, s, o in zip(keys, want_leaves, shapes, is_opt, strict=True)
-            if o
-        ]
-        L.check_optimizer_layout(L.layout_version(meta), opt, target.opt_mirror or ())
-    mesh = target.mesh
-    replicated = NamedSharding(mesh, part.REPLICATED)
-    saved_res = meta.get("error_feedback")
-    n_dp = data_parallel_size(mesh)
+        return
+    keys = _leaf_keys(want)
+    shapes = [tuple(s) for s in meta["stored_shapes"]]
+    is_opt = [k.startswith("['opt_state']") for k in keys]
+    want_leaves = jax.tree_util.tree_leaves(want)
+    opt = [
+        (k, tuple(x.shape), s)
+        for k, x, s, o in zip(keys, want_leaves, shapes, is_opt, strict=True)
+        if o
+    ]
+    L.check_optimizer_layout(L.layout_version(meta), opt, target.opt_mirror or ())
+
+
+def _leaf_plans(meta: dict[str, Any], target: TrainState, want: dict[str, Any]) -> list[_Leaf]:
+    """Per leaf of the saved tree, its `_Leaf`: what was stored and how it is laid out again."""
+    want_leaves = jax.tree_util.tree_leaves(want)
+    shapes = [tuple(s) for s in meta["stored_shapes"]]
+    is_opt = [k.startswith("['opt_state']") for k in _leaf_keys(want)]
     layouts = target.layouts[1]
     saved = L.saved_layouts(meta, layouts)
     owner = L.param_of(want, [p for p, _, _ in _param_table(target)])
@@ -331,95 +378,107 @@ def restore_checkpoint(
         lo is not None and r is None and L.is_flat_stacked(shape, lo)
         for shape, lo, r in zip(shapes, stacked, relayouts, strict=True)
     ]
+    return [
+        _Leaf(*a) for a in zip(shapes, want_leaves, relayouts, is_opt, stacked, flat, strict=True)
+    ]
 
-    def abstract(shape, tgt, relayout, opt, flat):
-        sharding = tgt.sharding
-        if opt and reset_optimizer:  # read as saved, then dropped
-            return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=replicated)
-        if relayout is not None:
-            # Split over `model` differently (another model_size, or none): loaded split
-            # over the data-parallel axes as saved where they divide it, else whole, then
-            # laid out again.
-            old = relayout[0]
-            if shape != old.stored_shape and not L.is_flat_stacked(shape, old):
-                raise ValueError(
-                    f"checkpoint leaf of shape {shape} does not have the shape of its saved "
-                    f"layout {old.stored_shape}; the checkpoint's metadata is inconsistent."
-                )
-            spec = part.manual_spec(old)
-            axis = old.padded_axis % len(shape)
-            if shape[axis] % n_dp:
-                spec = part.REPLICATED
-            return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=NamedSharding(mesh, spec))
-        if flat:
-            # A stacked leaf stored flat per layer (layouts 1 and 2): read as saved, then
-            # cut to its values, shaped and padded in rows.
-            spec = part.ROW_PARAM_SPEC if shape[1] % n_dp == 0 else part.REPLICATED
-            return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=NamedSharding(mesh, spec))
-        if shape != tuple(tgt.shape):
-            # Padded for another device count (axis 0, or the last axis of a stacked
-            # leaf): load sharded if that axis divides evenly over this mesh, else
-            # replicated (one transient full copy of that leaf).
-            axis = L.padded_axis(shape, tuple(tgt.shape))
-            if axis is None:
-                raise ValueError(
-                    f"checkpoint leaf of shape {shape} cannot be restored into a target leaf "
-                    f"of shape {tuple(tgt.shape)}."
-                )
-            if shape[axis] % n_dp:
-                sharding = replicated
-        return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=sharding)
 
-    abstract_tree = jax.tree_util.tree_unflatten(
-        want_def,
-        [abstract(*a) for a in zip(shapes, want_leaves, relayouts, is_opt, flat, strict=True)],
+def _abstract_leaf(
+    leaf: _Leaf, mesh: Mesh, n_dp: int, reset_optimizer: bool
+) -> jax.ShapeDtypeStruct:
+    """The shape, dtype and sharding one saved leaf is read with."""
+    shape, tgt = leaf.shape, leaf.target
+    sharding = tgt.sharding
+    if leaf.is_opt and reset_optimizer:  # read as saved, then dropped
+        return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=NamedSharding(mesh, part.REPLICATED))
+    if leaf.relayout is not None:
+        # Split over `model` differently (another model_size, or none): loaded split over
+        # the data-parallel axes as saved where they divide it, else whole, then laid out
+        # again.
+        old = leaf.relayout[0]
+        if shape != old.stored_shape and not L.is_flat_stacked(shape, old):
+            raise ValueError(
+                f"checkpoint leaf of shape {shape} does not have the shape of its saved "
+                f"layout {old.stored_shape}; the checkpoint's metadata is inconsistent."
+            )
+        spec = part.manual_spec(old)
+        axis = old.padded_axis % len(shape)
+        if shape[axis] % n_dp:
+            spec = part.REPLICATED
+        return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=NamedSharding(mesh, spec))
+    if leaf.flat:
+        # A stacked leaf stored flat per layer (layouts 1 and 2): read as saved, then cut
+        # to its values, shaped and padded in rows.
+        spec = part.ROW_PARAM_SPEC if shape[1] % n_dp == 0 else part.REPLICATED
+        return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=NamedSharding(mesh, spec))
+    if shape != tuple(tgt.shape):
+        # Padded for another device count (axis 0, or the last axis of a stacked leaf):
+        # load sharded if that axis divides evenly over this mesh, else replicated (one
+        # transient full copy of that leaf).
+        axis = L.padded_axis(shape, tuple(tgt.shape))
+        if axis is None:
+            raise ValueError(
+                f"checkpoint leaf of shape {shape} cannot be restored into a target leaf "
+                f"of shape {tuple(tgt.shape)}."
+            )
+        if shape[axis] % n_dp:
+            sharding = NamedSharding(mesh, part.REPLICATED)
+    return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=sharding)
+
+
+def _abstract_state(
+    meta: dict[str, Any],
+    target: TrainState,
+    want: dict[str, Any],
+    leaves: list[_Leaf],
+    reset_optimizer: bool,
+) -> dict[str, Any]:
+    """The saved tree as orbax reads it (without the references), residuals included."""
+    mesh = target.mesh
+    n_dp = data_parallel_size(mesh)
+    tree = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(want),
+        [_abstract_leaf(leaf, mesh, n_dp, reset_optimizer) for leaf in leaves],
     )
+    saved_res = meta.get("error_feedback")
     if saved_res is not None:
-        abstract_tree["error_feedback"] = _abstract_residuals(saved_res, mesh)
-    keep_refs = _refs_match(meta, target)
-    if meta.get("weight_ref"):
-        abstract_tree[REFS_KEY] = _abstract_refs(meta["weight_ref"], target, keep_refs)
+        tree["error_feedback"] = _abstract_residuals(saved_res, mesh)
+    return tree
+
+
+def _read_state(path: str, abstract_tree: dict[str, Any]) -> dict[str, Any]:
+    """Reads the checkpoint's arrays as `abstract_tree` lays them out."""
     ckptr = ocp.StandardCheckpointer()
-    state_path = os.path.join(path, STATE_DIR)
-    loaded = ckptr.restore(state_path, abstract_tree)
+    loaded = ckptr.restore(os.path.join(path, STATE_DIR), abstract_tree)
     ckptr.close()
+    return loaded
 
-    def fit(x, tgt, relayout, opt, layout):
-        if opt and reset_optimizer:
-            return tgt
-        if layout is not None and L.is_flat_stacked(tuple(x.shape), layout) and relayout is None:
-            return jax.jit(L.unflatten, static_argnums=(1, 2), out_shardings=tgt.sharding)(
-                x, layout, layout
-            )
-        if relayout is not None:
-            return jax.jit(L.relayout, static_argnums=(1, 2), out_shardings=tgt.sharding)(
-                x, *relayout
-            )
-        if x.shape == tgt.shape:
-            return x
-        axis = L.padded_axis(tuple(x.shape), tuple(tgt.shape))
-        return jax.jit(L.resize, static_argnums=(1, 2), out_shardings=tgt.sharding)(
-            x, axis, tgt.shape[axis]
+
+def _fit_leaf(x: jax.Array, leaf: _Leaf, reset_optimizer: bool) -> jax.Array:
+    """One read leaf laid out, cropped or padded as the target stores it."""
+    tgt, relayout, layout = leaf.target, leaf.relayout, leaf.stacked
+    if leaf.is_opt and reset_optimizer:
+        return tgt
+    if layout is not None and L.is_flat_stacked(tuple(x.shape), layout) and relayout is None:
+        return jax.jit(L.unflatten, static_argnums=(1, 2), out_shardings=tgt.sharding)(
+            x, layout, layout
         )
+    if relayout is not None:
+        return jax.jit(L.relayout, static_argnums=(1, 2), out_shardings=tgt.sharding)(x, *relayout)
+    if x.shape == tgt.shape:
+        return x
+    axis = L.padded_axis(tuple(x.shape), tuple(tgt.shape))
+    return jax.jit(L.resize, static_argnums=(1, 2), out_shardings=tgt.sharding)(
+        x, axis, tgt.shape[axis]
+    )
 
-    residuals = _restored_residuals(loaded.pop("error_feedback", None), meta, target)
-    loaded_refs = loaded.pop(REFS_KEY, None)
-    loaded_leaves = jax.tree_util.tree_leaves(loaded)
-    loaded = jax.tree_util.tree_unflatten(
-        want_def,
-        [fit(*a) for a in zip(loaded_leaves, want_leaves, relayouts, is_opt, stacked, strict=True)],
-    )
-    restored = target.replace(
-        step=loaded["step"],
-        params=R.join(loaded["params"], residuals),
-        opt_state=loaded["opt_state"],
-        skipped_steps=loaded["skipped_steps"],
-        grads_finite=jax.device_put(jnp.array(True), replicated),
-    )
-    if keep_refs:
+
+def _with_references(restored: TrainState, loaded_refs: Any, keep: bool) -> TrainState:
+    """`restored` with the saved weight-delta references when `keep`, else rebuilt."""
+    if keep:
         # What every node held when the checkpoint was written: the next delta gather
         # sends what the uninterrupted run would have sent.
-        refs = tuple(loaded_refs.get(str(i)) for i in range(len(target.layouts[1])))
+        refs = tuple(loaded_refs.get(str(i)) for i in range(len(restored.layouts[1])))
         return restored.replace(apply_fn=dataclasses.replace(restored.apply_fn, weight_ref=refs))
     # Onto another mesh or compute dtype (or from a checkpoint without references): rebuilt
     # from the restored parameters by one full gather.

@@ -377,10 +377,10 @@ def _records_of(
     shapes: Mapping[str, str],
     mesh: Mesh,
     links: str,
-    as_reduce_scatter: bool = False,
-) -> Iterator[tuple[str, str, int, int, int, tuple[str, ...], bool, tuple, tuple]]:
-    """`(op, dtype, in, out, G, axes, cross, node out, node in)` per dtype of one collective,
-    one execution.
+    as_reduce_scatter: bool,
+    where: tuple[str, int, str],
+) -> Iterator[CollectiveRecord]:
+    """One `CollectiveRecord` per dtype of one collective, for one execution.
 
     Args:
       ins: the collective.
@@ -389,6 +389,7 @@ def _records_of(
       links: one of `LINK_MODELS`, for the per-node link bytes.
       as_reduce_scatter: count an all-reduce as a reduce-scatter over its groups (its
         result sliced to `1/G`, see `sliced_all_reduces`).
+      where: the records' `(phase, trip_count, op_name)`.
     """
     op = ins.opcode.removesuffix("-start")
     ins_by_dtype: dict[str, int] = collections.defaultdict(int)
@@ -420,7 +421,128 @@ def _records_of(
     for dtype in sorted(set(ins_by_dtype) | set(outs_by_dtype)):
         n_in, n_out = ins_by_dtype[dtype], outs_by_dtype[dtype]
         leaving, entering = node_traffic(op, groups, n_in, n_out, nodes, links)
-        yield op, dtype, n_in, n_out, size, axes, cross, leaving, entering
+        yield CollectiveRecord(op, dtype, n_in, n_out, size, axes, cross, *where, leaving, entering)
+
+
+def _step_mesh(mesh: Mesh | None, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Mesh:
+    """`mesh`, else the mesh of the first sharded argument leaf."""
+    mesh = next(_arg_meshes(args, kwargs), None) if mesh is None else mesh
+    if mesh is None:
+        raise ValueError(
+            "comm_ledger: no argument is a jax.Array (or jax.ShapeDtypeStruct) with a "
+            "NamedSharding, so the mesh is unknown; pass mesh=<the jax.sharding.Mesh the step "
+            "runs on>."
+        )
+    return mesh
+
+
+def _param_count(param_count: int | None, args: Sequence[Any]) -> int | None:
+    """`param_count`, else `args[0].param_count` when that is an int; checked positive."""
+    found = getattr(args[0], "param_count", None) if param_count is None and args else None
+    if isinstance(found, int) and not isinstance(found, bool):
+        param_count = found
+    if param_count is not None and (
+        isinstance(param_count, bool) or not isinstance(param_count, int) or param_count < 1
+    ):
+        raise ValueError(f"comm_ledger: param_count={param_count!r}; expected a positive int.")
+    return param_count
+
+
+def _checked_options(
+    mesh: Mesh, arg_meshes: Iterable[Mesh], compiled: bool, partitioned: bool, links: str | None
+) -> tuple[str, str]:
+    """Which of `PROGRAMS` to read and the link model; checks them and `mesh`'s devices."""
+    for leaf_mesh in arg_meshes:
+        if list(leaf_mesh.devices.flat) != list(mesh.devices.flat):
+            raise ValueError(
+                "comm_ledger: mesh= orders its devices differently from the mesh of the "
+                f"arguments ({mesh.devices.tolist()} vs {leaf_mesh.devices.tolist()}); the "
+                "HLO's device ids are positions in the step's own mesh, so pass that one."
+            )
+    if compiled and partitioned:
+        raise ValueError(
+            "comm_ledger: compiled=True and partitioned=True; pass one (compiled: the "
+            "program XLA:CPU runs; partitioned: the partitioner's, at the 16-bit width)."
+        )
+    if links is None:
+        links = default_links(mesh)
+    elif links not in LINK_MODELS:
+        raise ValueError(f"comm_ledger: links={links!r}; expected one of {LINK_MODELS}.")
+    return "compiled" if compiled else "partitioned" if partitioned else "lowered", links
+
+
+class _Program:
+    """One program of a lowered step (one of `PROGRAMS`), parsed, and its loops' counts."""
+
+    def __init__(self, lowered: Any, kind: str) -> None:
+        self.lowered, self.kind = lowered, kind
+        self.compiled_text: str | None = None  # the partitioned program's, compiled
+        if kind == "compiled":
+            text = lowered.compile().as_text()
+        elif kind == "partitioned":
+            text, self.compiled_text = partitioned_program(lowered)
+        else:
+            text = lowered.as_text(dialect="hlo", debug_info=True)
+        self.module = parse_hlo_module(text)
+        loops = known_trip_counts(self.module) if kind == "compiled" else ()
+        self.known = {ins.name: count for ins, count in loops}
+        self._compiled_counts: dict[LoopKey, set[int]] | None = None
+        self._lowered_counts: dict[LoopKey, set[int]] | None = None
+
+    def trip_count(self, loop: HloInstruction, comp: str, phase: str) -> int:
+        """The trip count of `loop` (in computation `comp`, of `phase`); raises if unknown."""
+        if self.kind == "compiled":
+            if loop.name in self.known:
+                return self.known[loop.name]
+            raise ValueError(
+                f"comm_ledger: the compiled loop {loop.name!r} holds a collective but has no "
+                "known_trip_count; use compiled=False (the lowered program's loops are read "
+                "from their bounds)."
+            )
+        count = scan_trip_count(self.module, loop, comp)
+        if count is not None:
+            return count
+        where = self.module.locations.get(loop.frame)
+        if self.kind == "partitioned":  # the partitioner keeps loop counts: read as JAX wrote them
+            if self._lowered_counts is None:
+                self._lowered_counts = lowered_trip_counts(self.lowered)
+            found = self._lowered_counts.get((where, phase), set())
+            if len(found) == 1:
+                return next(iter(found))
+        if self._compiled_counts is None:
+            done = self.compiled_text or self.lowered.compile().as_text()
+            self._compiled_counts = compiled_trip_counts(parse_hlo_module(done))
+        counts = self._compiled_counts.get((where, phase), set())
+        if len(counts) != 1:
+            raise ValueError(
+                f"comm_ledger: the loop {loop.name!r} at {where} holds a collective but its "
+                f"trip count is unknown (compiled HLO gives {sorted(counts) or 'none'}); "
+                "write it as lax.scan or lax.fori_loop with static bounds."
+            )
+        return next(iter(counts))
+
+
+def _collective_records(program: _Program, mesh: Mesh, links: str) -> list[CollectiveRecord]:
+    """The records of every collective of `program`, per dtype and per call path."""
+    paths = call_paths(program.module)
+    partitioned = program.kind == "partitioned"
+    records = []
+    for comp, instructions in program.module.computations.items():
+        shapes = {i.name: i.shape for i in instructions}
+        sliced = sliced_all_reduces(instructions, mesh) if partitioned else set()
+        for ins in instructions:
+            if ins.opcode.removesuffix("-start") not in COLLECTIVE_OPS:
+                continue
+            for path in paths.get(comp, ()):
+                names = [*path_names(path), ins.op_name]
+                trips = 1
+                for depth, (call, caller) in enumerate(path):
+                    if call.opcode == "while":
+                        loop_names = [*path_names(path[:depth]), call.op_name]
+                        trips *= program.trip_count(call, caller, phase_of(loop_names))
+                where = (phase_of(names), trips, "/".join(n for n in names if n))
+                records.extend(_records_of(ins, shapes, mesh, links, ins.name in sliced, where))
+    return records
 
 
 def comm_ledger(
@@ -470,119 +592,8 @@ def comm_ledger(
     """
     if not hasattr(fn, "lower"):
         raise TypeError(f"comm_ledger: fn={fn!r} has no .lower; pass a jax.jit-wrapped callable.")
-    if mesh is None:
-        mesh = next(_arg_meshes(args, kwargs), None)
-        if mesh is None:
-            raise ValueError(
-                "comm_ledger: no argument is a jax.Array (or jax.ShapeDtypeStruct) with a "
-                "NamedSharding, so the mesh is "
-                "unknown; pass mesh=<the jax.sharding.Mesh the step runs on>."
-            )
-    if param_count is None and args:
-        found = getattr(args[0], "param_count", None)
-        if isinstance(found, int) and not isinstance(found, bool):
-            param_count = found
-    if param_count is not None and (
-        isinstance(param_count, bool) or not isinstance(param_count, int) or param_count < 1
-    ):
-        raise ValueError(f"comm_ledger: param_count={param_count!r}; expected a positive int.")
-
-    for leaf_mesh in _arg_meshes(args, kwargs):
-        if list(leaf_mesh.devices.flat) != list(mesh.devices.flat):
-            raise ValueError(
-                "comm_ledger: mesh= orders its devices differently from the mesh of the "
-                f"arguments ({mesh.devices.tolist()} vs {leaf_mesh.devices.tolist()}); the "
-                "HLO's device ids are positions in the step's own mesh, so pass that one."
-            )
-
-    if compiled and partitioned:
-        raise ValueError(
-            "comm_ledger: compiled=True and partitioned=True; pass one (compiled: the "
-            "program XLA:CPU runs; partitioned: the partitioner's, at the 16-bit width)."
-        )
-    if links is None:
-        links = default_links(mesh)
-    elif links not in LINK_MODELS:
-        raise ValueError(f"comm_ledger: links={links!r}; expected one of {LINK_MODELS}.")
-
-    lowered = fn.lower(*args, **kwargs)
-    if compiled:
-        module = parse_hlo_module(lowered.compile().as_text())
-        known = {ins.name: count for ins, count in known_trip_counts(module)}
-    elif partitioned:
-        text, compiled_text = partitioned_program(lowered)
-        module = parse_hlo_module(text)
-    else:
-        module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
-    paths = call_paths(module)
-    compiled_counts: dict[LoopKey, set[int]] | None = None
-    lowered_counts: dict[LoopKey, set[int]] | None = None
-
-    def trip_count(loop: HloInstruction, comp: str, phase: str) -> int:
-        nonlocal compiled_counts
-        if compiled:
-            if loop.name in known:
-                return known[loop.name]
-            raise ValueError(
-                f"comm_ledger: the compiled loop {loop.name!r} holds a collective but has no "
-                "known_trip_count; use compiled=False (the lowered program's loops are read "
-                "from their bounds)."
-            )
-        count = scan_trip_count(module, loop, comp)
-        if count is not None:
-            return count
-        if partitioned:  # the partitioner keeps each loop's count: read it as JAX wrote it
-            nonlocal lowered_counts
-            if lowered_counts is None:
-                lowered_counts = lowered_trip_counts(lowered)
-            found = lowered_counts.get((module.locations.get(loop.frame), phase), set())
-            if len(found) == 1:
-                return next(iter(found))
-        if compiled_counts is None:
-            done = compiled_text if partitioned else lowered.compile().as_text()
-            compiled_counts = compiled_trip_counts(parse_hlo_module(done))
-        where = module.locations.get(loop.frame)
-        counts = compiled_counts.get((where, phase), set())
-        if len(counts) != 1:
-            raise ValueError(
-                f"comm_ledger: the loop {loop.name!r} at {where} holds a collective but its "
-                f"trip count is unknown (compiled HLO gives {sorted(counts) or 'none'}); "
-                "write it as lax.scan or lax.fori_loop with static bounds."
-            )
-        return next(iter(counts))
-
-    records = []
-    for comp, instructions in module.computations.items():
-        shapes = {i.name: i.shape for i in instructions}
-        sliced = sliced_all_reduces(instructions, mesh) if partitioned else set()
-        for ins in instructions:
-            if ins.opcode.removesuffix("-start") not in COLLECTIVE_OPS:
-                continue
-            for path in paths.get(comp, ()):
-                names = [*path_names(path), ins.op_name]
-                phase = phase_of(names)
-                trips = 1
-                for depth, (call, caller) in enumerate(path):
-                    if call.opcode == "while":
-                        loop_names = [*path_names(path[:depth]), call.op_name]
-                        trips *= trip_count(call, caller, phase_of(loop_names))
-                for fields in _records_of(ins, shapes, mesh, links, ins.name in sliced):
-                    op, dtype, n_in, n_out, size, axes, cross, leaving, entering = fields
-                    records.append(
-                        CollectiveRecord(
-                            op=op,
-                            dtype=dtype,
-                            in_bytes=n_in,
-                            out_bytes=n_out,
-                            group_size=size,
-                            axes=axes,
-                            cross_node=cross,
-                            phase=phase,
-                            trip_count=trips,
-                            op_name="/".join(n for n in names if n),
-                            node_out_bytes=leaving,
-                            node_in_bytes=entering,
-                        )
-                    )
-    program = "compiled" if compiled else "partitioned" if partitioned else "lowered"
-    return CommLedger(records=tuple(records), param_count=param_count, program=program)
+    mesh = _step_mesh(mesh, args, kwargs)
+    param_count = _param_count(param_count, args)
+    kind, links = _checked_options(mesh, _arg_meshes(args, kwargs), compiled, partitioned, links)
+    records = _collective_records(_Program(fn.lower(*args, **kwargs), kind), mesh, links)
+    return CommLedger(records=tuple(records), param_count=param_count, program=kind)
