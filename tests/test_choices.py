@@ -98,3 +98,47 @@ def test_per_use_leaves_picks_the_weights_whose_held_gradient_outweighs_the_shar
     assert choices.per_use_leaves(per_use, big) == {0, 1, 2}
     feedback = choices.resolve(zpp.ZeroPPConfig(error_feedback="node"), mesh)
     assert feedback.shared_grad == "once" and not choices.per_use_leaves(feedback, big)
+
+
+def test_one_device_sends_nothing_so_its_plan_quantizes_nothing():
+    import jax
+    import numpy as np
+    import optax
+
+    one = zpp.make_mesh(1, 1, devices=jax.devices()[:1])
+    config = zpp.ZeroPPConfig(compute_dtype=jnp.float32, rounding_seed=11)  # a fresh resolve
+    with pytest.warns(choices.NothingSentWarning, match="one data-parallel device"):
+        plan = choices.resolve(config, one)
+    spec = plan.spec
+    assert (spec.weight_bits, spec.weight_stage2_bits, spec.grad_bits, spec.grad_hop2_bits) == (
+        (None,) * 4
+    )
+    assert choices.resolve(config, zpp.make_mesh(2, 4)).spec.weight_bits == 8  # sent: kept
+
+    # ZeRO++ on one device trains exactly as ZeRO-3 there (nothing else differs).
+    rs = np.random.RandomState(0)
+    params = {"w": rs.randn(6, 4).astype(np.float32)}
+    x, y = rs.randn(8, 6).astype(np.float32), rs.randn(8, 4).astype(np.float32)
+
+    def step(state, batch):
+        def loss(p):
+            return jnp.mean((state.apply_fn({"params": p}, batch[0]) - batch[1]) ** 2)
+
+        return state.apply_gradients(grads=jax.grad(loss)(state.params)), None
+
+    got = {}
+    for name, cfg in (
+        ("zeropp", config),
+        ("zero3", zpp.ZeroPPConfig.zero3(compute_dtype=jnp.float32)),
+    ):
+        state = zpp.TrainState.create(
+            apply_fn=lambda v, a: a @ v["params"]["w"],
+            params=params,
+            tx=optax.adam(1e-2),
+            mesh=one,
+            config=cfg,
+        )
+        for _ in range(2):
+            state, _ = zpp.shard(step)(state, (x, y))
+        got[name] = np.asarray(zpp.gather_params(state)["w"])
+    np.testing.assert_array_equal(got["zeropp"], got["zero3"])

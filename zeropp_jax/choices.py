@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -207,6 +208,38 @@ class Plan:
         return any(self.feedback_hops)
 
 
+class NothingSentWarning(UserWarning):
+    """A quantized config on a mesh of one data-parallel device: nothing is sent, so the
+    weight and gradient formats are not applied."""
+
+
+def _sending_nothing(spec: weight_gather.GatherSpec, config: ZeroPPConfig) -> Any:
+    """`spec` on one data-parallel device, where no gather or reduction sends anything:
+    without its weight and gradient formats (quantizing would only lose precision and
+    cost passes over every weight at every use), said once in a `NothingSentWarning`.
+    Weight deltas keep theirs (their references are built in the configured format)."""
+    quantized = (spec.weight_bits, spec.weight_stage2_bits, spec.grad_bits, spec.grad_hop2_bits)
+    if config.weight_delta_bits is not None or all(f is None for f in quantized):
+        return spec
+    warnings.warn(
+        "zeropp_jax: the mesh has one data-parallel device, so no weight gather or "
+        "gradient reduction sends anything; the config's weight and gradient formats "
+        f"({config.weight_bits!r}, {config.grad_bits!r}) are not applied (the step runs "
+        "unquantized).",
+        NothingSentWarning,
+        stacklevel=4,
+    )
+    return dataclasses.replace(
+        spec,
+        weight_bits=None,
+        weight_stage2_bits=None,
+        grad_bits=None,
+        grad_hop2_bits=None,
+        grad_rotation_block_size=None,
+        grad_hop2_rotation_block_size=None,
+    )
+
+
 PER_USE_ABOVE = 0.2
 """`shared_grad="auto"` reduces a shared weight's gradient per use where holding it whole
 (its full size in the compute dtype, through the backward) would cost more than this
@@ -242,10 +275,13 @@ def resolve(config: ZeroPPConfig, mesh: Any) -> Plan:
     platform = mesh_platform(mesh)
     codec = resolve_codec(config, platform)
     num_nodes, local_size = mesh.shape["node"], mesh.shape["local"]
+    spec = gather_spec(config, codec, platform)
+    if num_nodes * local_size == 1:
+        spec = _sending_nothing(spec, config)
     return Plan(
         platform=platform,
         codec=codec,
-        spec=gather_spec(config, codec, platform),
+        spec=spec,
         compute_dtype=jnp.dtype(config.compute_dtype),
         num_nodes=num_nodes,
         local_size=local_size,
