@@ -217,61 +217,102 @@ def supervise(
         )
     log_dir = log_dir or tempfile.mkdtemp(prefix="zeropp_launch_")
     os.makedirs(log_dir, exist_ok=True)
-    n = len(commands)
+    logs = [os.path.join(log_dir, f"process_{i}.log") for i in range(len(commands))]
     procs: list[subprocess.Popen] = []
     pumps: list[_Pump] = []
-    logs = [os.path.join(log_dir, f"process_{i}.log") for i in range(n)]
     started = time.monotonic()
     ended: dict[int, float] = {}
-    killed: set[int] = set()
+    try:
+        _start(commands, envs, logs, echo, procs, pumps)
+        failed, timed_out = _wait(procs, ended, started + timeout, kill_grace, poll_interval)
+    finally:
+        killed = _stop(procs, pumps, ended)
+    return _result(procs, logs, started, ended, killed, failed, timed_out)
+
+
+def _start(
+    commands: Sequence[Sequence[str]],
+    envs: Sequence[Mapping[str, str]],
+    logs: list[str],
+    echo: TextIO | None,
+    procs: list[subprocess.Popen],
+    pumps: list[_Pump],
+) -> None:
+    """Starts each process in its own session and a pump for its output, appending both to
+    `procs` and `pumps` as it goes (so that a failure part-way still stops those started)."""
+    lock = threading.Lock()
+    for i, (cmd, env) in enumerate(zip(commands, envs, strict=True)):
+        open(logs[i], "wb").close()
+        proc = subprocess.Popen(
+            list(cmd),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        procs.append(proc)
+        pump = _Pump(proc.stdout, logs[i], f"[{i}] ", echo, lock)
+        pump.start()
+        pumps.append(pump)
+
+
+def _wait(
+    procs: list[subprocess.Popen],
+    ended: dict[int, float],
+    deadline: float,
+    kill_grace: float,
+    poll_interval: float,
+) -> tuple[int | None, bool]:
+    """Polls until every process has ended, the deadline passes, or `kill_grace` seconds
+    after the first failure; records exit times in `ended`. Returns `(failed, timed_out)`."""
     failed: int | None = None
     failed_at = None
-    timed_out = False
-    lock = threading.Lock()
-    try:
-        for i, (cmd, env) in enumerate(zip(commands, envs, strict=True)):
-            open(logs[i], "wb").close()
-            proc = subprocess.Popen(
-                list(cmd),
-                env=dict(env),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            procs.append(proc)
-            pump = _Pump(proc.stdout, logs[i], f"[{i}] ", echo, lock)
-            pump.start()
-            pumps.append(pump)
-        deadline = started + timeout
-        while len(ended) < n:
-            now = time.monotonic()
-            for i, proc in enumerate(procs):
-                if i not in ended and proc.poll() is not None:
-                    ended[i] = now
-                    if proc.returncode != 0 and failed is None:
-                        failed, failed_at = i, now
-            if len(ended) == n:
-                break
-            if now >= deadline:
-                timed_out = failed is None
-                break
-            if failed is not None and now - failed_at >= kill_grace:
-                break
-            time.sleep(poll_interval)
-    finally:
+    while len(ended) < len(procs):
+        now = time.monotonic()
         for i, proc in enumerate(procs):
-            if proc.poll() is None:
-                _kill(proc)
-                killed.add(i)
-        for i, proc in enumerate(procs):
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # unkillable (D state); report and move on
-                pass
-            ended.setdefault(i, time.monotonic())
-        for pump in pumps:
-            pump.join(timeout=5)
+            if i not in ended and proc.poll() is not None:
+                ended[i] = now
+                if proc.returncode != 0 and failed is None:
+                    failed, failed_at = i, now
+        if len(ended) == len(procs):
+            break
+        if now >= deadline:
+            return failed, failed is None
+        if failed is not None and now - failed_at >= kill_grace:
+            break
+        time.sleep(poll_interval)
+    return failed, False
+
+
+def _stop(procs: list[subprocess.Popen], pumps: list[_Pump], ended: dict[int, float]) -> set[int]:
+    """SIGKILLs the processes still running and waits for all (bounded); returns the killed."""
+    killed: set[int] = set()
+    for i, proc in enumerate(procs):
+        if proc.poll() is None:
+            _kill(proc)
+            killed.add(i)
+    for i, proc in enumerate(procs):
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # unkillable (D state); report and move on
+            pass
+        ended.setdefault(i, time.monotonic())
+    for pump in pumps:
+        pump.join(timeout=5)
+    return killed
+
+
+def _result(
+    procs: list[subprocess.Popen],
+    logs: list[str],
+    started: float,
+    ended: dict[int, float],
+    killed: set[int],
+    failed: int | None,
+    timed_out: bool,
+) -> LaunchResult:
+    """The `LaunchResult` of the ended processes."""
     results = tuple(
         ProcessResult(
             process_id=i,

@@ -143,17 +143,34 @@ def device_grid(
     _check_positive("num_nodes", num_nodes)
     _check_positive("local_size", local_size)
     devs = list(devices)
-    n = len(devs)
-    if n == 0:
+    if not devs:
         raise ValueError("make_mesh: no devices given.")
     devs.sort(key=lambda d: (hosts[d.process_index], d.process_index, d.id))
-    host_of = [hosts[d.process_index] for d in devs]
-    counts = collections.Counter(host_of)
+    counts = collections.Counter(hosts[d.process_index] for d in devs)
     procs: dict[int, list[int]] = collections.defaultdict(list)
     for d in devs:
         h = hosts[d.process_index]
         if d.process_index not in procs[h]:
             procs[h].append(d.process_index)
+    num_nodes, local_size = _grid_shape(len(devs), counts, procs, num_nodes, local_size)
+    grid = np.empty(len(devs), dtype=object)
+    grid[:] = devs
+    grid = grid.reshape(num_nodes, local_size)
+    _check_whole_processes(grid)
+    if len(counts) > 1:
+        _warn_unless_rows_are_hosts(grid, hosts, counts, procs)
+    return grid
+
+
+def _grid_shape(
+    n: int,
+    counts: dict[int, int],
+    procs: dict[int, list[int]],
+    num_nodes: int | None,
+    local_size: int | None,
+) -> tuple[int, int]:
+    """`(num_nodes, local_size)` for `n` devices: the sizes given, the missing one derived,
+    or with neither given one node per host (`counts`: devices per host)."""
     if num_nodes is None and local_size is None:
         if len(set(counts.values())) > 1:
             raise ValueError(
@@ -185,15 +202,16 @@ def device_grid(
             f"{num_nodes * local_size}, but there are {n} devices; the product must equal "
             "the device count."
         )
-    grid = np.empty(n, dtype=object)
-    grid[:] = devs
-    grid = grid.reshape(num_nodes, local_size)
+    return num_nodes, local_size
+
+
+def _check_whole_processes(grid: np.ndarray) -> None:
+    """Raises `ValueError` when a process's devices span several node rows of `grid`."""
+    num_nodes, local_size = grid.shape
     proc_rows: dict[int, set[int]] = collections.defaultdict(set)
-    host_rows: dict[int, set[int]] = collections.defaultdict(set)
     for i in range(num_nodes):
         for d in grid[i]:
             proc_rows[d.process_index].add(i)
-            host_rows[hosts[d.process_index]].add(i)
     if len(proc_rows) > 1:
         for p, rows in sorted(proc_rows.items()):
             if len(rows) > 1:
@@ -202,39 +220,53 @@ def device_grid(
                     f"process {p} across node rows {sorted(rows)}; a node must hold whole "
                     "processes. Use num_nodes = number of hosts."
                 )
-    if len(counts) > 1:
-        split = {h: sorted(r) for h, r in host_rows.items() if len(r) > 1}
-        shared = {
-            i: sorted({hosts[d.process_index] for d in grid[i]})
-            for i in range(num_nodes)
-            if len({hosts[d.process_index] for d in grid[i]}) > 1
-        }
-        if split or shared:
-            what = []
-            if split:
-                what.append(
-                    "it splits hosts across node rows ("
-                    + ", ".join(f"host {h}: rows {r}" for h, r in sorted(split.items()))
-                    + ")"
-                )
-            if shared:
-                what.append(
-                    "it puts several hosts on one node row ("
-                    + ", ".join(f"row {i}: hosts {h}" for i, h in sorted(shared.items()))
-                    + ")"
-                )
-            warnings.warn(
-                f"make_mesh: shape ({num_nodes}, {local_size}) does not follow the "
-                f"{len(counts)} hosts ({_describe_hosts(counts, procs)}): "
-                + " and ".join(what)
-                + ". Training stays correct, but collectives meant to stay inside a node "
-                "cross the network (or the reverse), and the ledger's cross-node bytes no "
-                "longer describe the inter-host link. Call make_mesh() without num_nodes "
-                "and local_size for one node per host.",
-                TopologyWarning,
-                stacklevel=3,
-            )
-    return grid
+
+
+def _warn_unless_rows_are_hosts(
+    grid: np.ndarray,
+    hosts: Sequence[int],
+    counts: dict[int, int],
+    procs: dict[int, list[int]],
+) -> None:
+    """Warns (`TopologyWarning`, at `make_mesh`'s caller) when a host spans several node
+    rows of `grid` or a row holds several hosts."""
+    num_nodes, local_size = grid.shape
+    host_rows: dict[int, set[int]] = collections.defaultdict(set)
+    for i in range(num_nodes):
+        for d in grid[i]:
+            host_rows[hosts[d.process_index]].add(i)
+    split = {h: sorted(r) for h, r in host_rows.items() if len(r) > 1}
+    shared = {
+        i: sorted({hosts[d.process_index] for d in grid[i]})
+        for i in range(num_nodes)
+        if len({hosts[d.process_index] for d in grid[i]}) > 1
+    }
+    if not (split or shared):
+        return
+    what = []
+    if split:
+        what.append(
+            "it splits hosts across node rows ("
+            + ", ".join(f"host {h}: rows {r}" for h, r in sorted(split.items()))
+            + ")"
+        )
+    if shared:
+        what.append(
+            "it puts several hosts on one node row ("
+            + ", ".join(f"row {i}: hosts {h}" for i, h in sorted(shared.items()))
+            + ")"
+        )
+    warnings.warn(
+        f"make_mesh: shape ({num_nodes}, {local_size}) does not follow the "
+        f"{len(counts)} hosts ({_describe_hosts(counts, procs)}): "
+        + " and ".join(what)
+        + ". Training stays correct, but collectives meant to stay inside a node "
+        "cross the network (or the reverse), and the ledger's cross-node bytes no "
+        "longer describe the inter-host link. Call make_mesh() without num_nodes "
+        "and local_size for one node per host.",
+        TopologyWarning,
+        stacklevel=4,
+    )
 
 
 def make_mesh(

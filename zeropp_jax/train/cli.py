@@ -130,7 +130,6 @@ class _Run:
     state: Any
     compiled_step: Any
     compiled_eval: Any
-    sharding: Any
     eval_set: list
     start: int
     param_count: int
@@ -142,70 +141,27 @@ class _Run:
 
 
 def _setup(args: argparse.Namespace, t0: float) -> _Run:
+    """Builds the mesh, the corpus and the state, and compiles the steps; writes run.json."""
     import jax
 
     import zeropp_jax as zpp
     from zeropp_jax.mesh import data_parallel_size
+    from zeropp_jax.train import corpus as user_corpus
     from zeropp_jax.train import data
-    from zeropp_jax.train.model import GPT, init_fn
     from zeropp_jax.train.model import param_count as param_count_of
 
     mesh = make_mesh(args)
-    n_dev = mesh.size
     check_batch(args, data_parallel_size(mesh))
     config = zeropp_config(args)
-    out = args.out or default_out(args)
-    if args.train_tokenizer is not None:
-        if jax.process_count() > 1:
-            raise UsageError(
-                "--train-tokenizer learns on one process; for a multi-process job run "
-                "zeropp-tokenize --data ... --vocab-size N --out DIR first and train on its files"
-            )
-        args.tokenizer = os.path.join(out, "tokenizer.json")  # learned below, or resumed
-    if args.resume:
-        check_resume(out, args)
-    elif latest_checkpoint(out) is not None:
-        raise UsageError(
-            f"{out} already holds checkpoints; pass --resume to continue that run or choose "
-            "another --out"
-        )
     is_main = jax.process_index() == 0
-    if is_main:
-        check_writable(out)
-    if args.train_tokenizer is not None and not args.resume:
-        from zeropp_jax.train.tokenize_corpus import learn_for_run
-
-        learn_for_run(args, out)
-
-    from zeropp_jax.train import corpus as user_corpus
-
+    out = _prepare_out(args, is_main)
     corpus = user_corpus.from_flags(args)  # bad data is reported before anything compiles
     entropy = data.unigram_entropy(corpus.train, args.vocab_size)
     gpt = gpt_config(args)
-    model = GPT(gpt)
-    # Sharded init: the parameters are made shard by shard where they live (the unsharded
-    # tree is never built); a resumed run restores onto the state's shapes without
-    # initialising at all.
-    params = init_fn(gpt, args.seed)
-    param_count = param_count_of(gpt)
+    model, params, state, step_fn = _make_state(args, gpt, mesh, config)
     if args.engine == "xla-fsdp":
-        from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step
-
         config = None
-        state = xla_fsdp_state(
-            apply_fn=model.apply,
-            params=params,
-            tx=make_optimizer(args),
-            mesh=mesh,
-            compute_dtype=args.compute_dtype,
-        )
-        step_fn = xla_fsdp_step(train_step, state, mesh)
-    else:
-        build = zpp.TrainState.abstract if args.resume else zpp.TrainState.create
-        state = build(
-            apply_fn=model.apply, params=params, tx=make_optimizer(args), mesh=mesh, config=config
-        )
-        step_fn = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
+    param_count = param_count_of(gpt)
     start = 0
     if args.resume:
         latest = latest_checkpoint(out)
@@ -215,8 +171,6 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
         start = int(jax.device_get(state.step))
     if start >= args.steps:
         raise UsageError(f"--resume: the run in {out} is at step {start}, --steps is {args.steps}")
-
-    sharding = data.batch_sharding(mesh)
     eval_set = data.eval_set(
         corpus.val,
         mesh,
@@ -232,20 +186,8 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
     compiled_eval = jax.jit(eval_loss).lower(state, eval_set[0]).compile()
     if not args.no_memory_check:
         _check_memory({"training step": compiled_step, "evaluation step": compiled_eval}, mesh)
-
     if is_main:
-        os.makedirs(out, exist_ok=True)
-        record = {k: v for k, v in vars(args).items()}
-        record.update(param_count=param_count, devices=n_dev, mesh=dict(mesh.shape))
-        # The code of this process; a resumed run keeps the code of its earlier parts.
-        record["provenance"] = provenance()
-        if args.resume:
-            with open(os.path.join(out, "run.json")) as f:
-                saved = json.load(f)
-            earlier = saved.get("earlier_provenance", [])
-            record["earlier_provenance"] = earlier + [saved.get("provenance")]
-        with open(os.path.join(out, "run.json"), "w") as f:
-            json.dump(record, f, indent=1)
+        _write_run_record(args, out, mesh, param_count)
     return _Run(
         args=args,
         out=out,
@@ -256,7 +198,6 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
         state=state,
         compiled_step=compiled_step,
         compiled_eval=compiled_eval,
-        sharding=sharding,
         eval_set=eval_set,
         start=start,
         param_count=param_count,
@@ -266,6 +207,78 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
         t0=t0,
         main=is_main,
     )
+
+
+def _prepare_out(args: argparse.Namespace, is_main: bool) -> str:
+    """The run directory, checked (and, for `--train-tokenizer`, its tokenizer learned)."""
+    import jax
+
+    out = args.out or default_out(args)
+    if args.train_tokenizer is not None:
+        if jax.process_count() > 1:
+            raise UsageError(
+                "--train-tokenizer learns on one process; for a multi-process job run "
+                "zeropp-tokenize --data ... --vocab-size N --out DIR first and train on its files"
+            )
+        args.tokenizer = os.path.join(out, "tokenizer.json")  # learned below, or resumed
+    if args.resume:
+        check_resume(out, args)
+    elif latest_checkpoint(out) is not None:
+        raise UsageError(
+            f"{out} already holds checkpoints; pass --resume to continue that run or choose "
+            "another --out"
+        )
+    if is_main:
+        check_writable(out)
+    if args.train_tokenizer is not None and not args.resume:
+        from zeropp_jax.train.tokenize_corpus import learn_for_run
+
+        learn_for_run(args, out)
+    return out
+
+
+def _make_state(args: argparse.Namespace, gpt, mesh, config):
+    """The model, its parameters, the `--engine`'s train state and its step function."""
+    import zeropp_jax as zpp
+    from zeropp_jax.train.model import GPT, init_fn
+
+    model = GPT(gpt)
+    # Sharded init: the parameters are made shard by shard where they live (the unsharded
+    # tree is never built); a resumed run restores onto the state's shapes without
+    # initialising at all.
+    params = init_fn(gpt, args.seed)
+    if args.engine == "xla-fsdp":
+        from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step
+
+        state = xla_fsdp_state(
+            apply_fn=model.apply,
+            params=params,
+            tx=make_optimizer(args),
+            mesh=mesh,
+            compute_dtype=args.compute_dtype,
+        )
+        return model, params, state, xla_fsdp_step(train_step, state, mesh)
+    build = zpp.TrainState.abstract if args.resume else zpp.TrainState.create
+    state = build(
+        apply_fn=model.apply, params=params, tx=make_optimizer(args), mesh=mesh, config=config
+    )
+    return model, params, state, zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
+
+
+def _write_run_record(args: argparse.Namespace, out: str, mesh, param_count: int) -> None:
+    """Writes `run.json`: the flags, the model's size, the mesh and the code's provenance."""
+    os.makedirs(out, exist_ok=True)
+    record = {k: v for k, v in vars(args).items()}
+    record.update(param_count=param_count, devices=mesh.size, mesh=dict(mesh.shape))
+    # The code of this process; a resumed run keeps the code of its earlier parts.
+    record["provenance"] = provenance()
+    if args.resume:
+        with open(os.path.join(out, "run.json")) as f:
+            saved = json.load(f)
+        earlier = saved.get("earlier_provenance", [])
+        record["earlier_provenance"] = earlier + [saved.get("provenance")]
+    with open(os.path.join(out, "run.json"), "w") as f:
+        json.dump(record, f, indent=1)
 
 
 def _check_memory(compiled: dict[str, Any], mesh) -> None:
@@ -289,22 +302,111 @@ def _check_memory(compiled: dict[str, Any], mesh) -> None:
         raise UsageError(problem)
 
 
-def _train(run: _Run) -> int:
-    import signal
+class _Loop:
+    """The training loop's own state: the train state, metrics log, checkpoints and timing."""
 
+    def __init__(self, run: _Run):
+        from zeropp_jax.train import data
+
+        self.run, self.state = run, run.state
+        run.state = None  # the loop owns the state from here (the step may donate it)
+        self.sharding = data.batch_sharding(run.mesh)
+        self.own_rows = data.process_rows(self.sharding, run.args.batch)
+        self.log = None
+        if run.main:
+            self.log = open_metrics(os.path.join(run.out, "metrics.jsonl"), keep_until=run.start)
+        self.saved: list[int] = []
+        self.train_loss = float("nan")
+        self.timed_steps, self.timed_seconds = 0, 0.0
+        self.stopped = self.signal_received = None
+
+    def emit(self, record: dict) -> None:
+        """Appends one line to `metrics.jsonl` (main process only)."""
+        if self.log is not None:
+            self.log.write(json.dumps(record) + "\n")
+            self.log.flush()
+
+    def evaluate(self) -> float:
+        """Mean validation loss of the current state over the evaluation set."""
+        import numpy as np
+
+        run = self.run
+        return float(np.mean([float(run.compiled_eval(self.state, b)) for b in run.eval_set]))
+
+    def save(self, step: int) -> None:
+        """Checkpoints the state as `step` (every process takes part); exits 1 on failure."""
+        import zeropp_jax as zpp
+
+        run = self.run
+        if step in self.saved or run.args.engine == "xla-fsdp":
+            return
+        path = os.path.abspath(checkpoint_path(run.out, step))
+        try:
+            zpp.save_checkpoint(path, self.state)
+        except Exception as e:  # a full disk, a directory gone read-only, ...
+            before = latest_checkpoint(run.out)
+            kept = f"the previous checkpoint {before[1]} is intact" if before else "none kept"
+            reason = " ".join(str(e).split())[:300]
+            print(
+                f"{PROG}: error: cannot write checkpoint {path}: {reason}; {kept}", file=sys.stderr
+            )
+            raise SystemExit(1) from None
+        self.saved.append(step)
+
+    def tokens_per_s(self, untimed: float) -> float:
+        """Throughput over the timed steps (the first step excluded), else `untimed`."""
+        args, seconds = self.run.args, self.timed_seconds
+        return self.timed_steps * args.batch * args.seq_len / seconds if seconds else untimed
+
+
+def _train(run: _Run) -> int:
+    """Trains to `--steps` and reports: 0, or `EXIT_STOPPED` after a stop signal."""
     import jax
-    import numpy as np
     from tqdm.auto import tqdm
 
-    import zeropp_jax as zpp
+    from zeropp_jax.train import data
+
+    loop = _Loop(run)
+    bar = tqdm(
+        total=run.args.steps,
+        initial=run.start,
+        desc=PROG,
+        unit="step",
+        disable=not run.main or run.args.no_progress,
+        dynamic_ncols=True,
+    )
+    say = bar.write if run.main else (lambda _msg: None)
+    shape = " x ".join(str(n) for n in run.mesh.shape.values())
+    unit = run.corpus.unit
+    for note in (preset_note(run.args), muon_note(run.args)):
+        if note:
+            say(note)
+    say(
+        f"{run.param_count / 1e6:.2f}M parameters on a {shape} {tuple(run.mesh.axis_names)} "
+        f"mesh of {jax.default_backend()} devices; "
+        f"config {config_text(run.config, getattr(run.state, 'plan', None) and run.state)}; "
+        f"corpus {len(run.corpus.train) / 1e6:.1f}M train "
+        f"/ {len(run.corpus.val) / 1e6:.2f}M val {unit}s ({run.corpus.description}), "
+        f"unigram entropy {run.entropy:.3f} nats ({data.bits(run.entropy):.2f} bits) per "
+        f"{unit}; out {run.out}"
+    )
+    _run_steps(loop, bar, say)
+    bar.close()
+    if loop.stopped is not None:
+        _report_stop(loop)
+    else:
+        _finish(loop)
+    if loop.log is not None:
+        loop.log.close()
+    return 0 if loop.stopped is None else EXIT_STOPPED
+
+
+def _run_steps(loop: _Loop, bar, say) -> None:
+    """Steps, with periodic evaluations and checkpoints, to the last step or a stop signal."""
     from zeropp_jax.preemption import StopGuard
     from zeropp_jax.train import data
 
-    args, state = run.args, run.state
-    run.state = None  # the loop owns the state from here (the step may donate it)
-    tokens_per_step = args.batch * args.seq_len
-
-    own_rows = data.process_rows(run.sharding, args.batch)
+    run, args = loop.run, loop.run.args
 
     def make_batch(step: int):
         # Every process draws the window starts of the whole global batch (cheap) and reads
@@ -317,111 +419,64 @@ def _train(run: _Run) -> int:
             batch_size=args.batch,
             seq_len=args.seq_len,
         )
-        local = data.windows(run.corpus.train, starts[own_rows], args.seq_len + 1)
-        return _fingerprint(starts), data.make_global_batch(local, run.sharding, args.batch)
+        local = data.windows(run.corpus.train, starts[loop.own_rows], args.seq_len + 1)
+        return _fingerprint(starts), data.make_global_batch(local, loop.sharding, args.batch)
 
-    def evaluate() -> float:
-        return float(np.mean([float(run.compiled_eval(state, b)) for b in run.eval_set]))
-
-    saved: list[int] = []
-
-    def save(step: int) -> None:  # every process takes part
-        if step in saved or args.engine == "xla-fsdp":
-            return
-        path = os.path.abspath(checkpoint_path(run.out, step))
-        try:
-            zpp.save_checkpoint(path, state)
-        except Exception as e:  # a full disk, a directory gone read-only, ...
-            before = latest_checkpoint(run.out)
-            kept = f"the previous checkpoint {before[1]} is intact" if before else "none kept"
-            reason = " ".join(str(e).split())[:300]
-            print(
-                f"{PROG}: error: cannot write checkpoint {path}: {reason}; {kept}", file=sys.stderr
-            )
-            raise SystemExit(1) from None
-        saved.append(step)
-
-    log = None
-    if run.main:
-        log = open_metrics(os.path.join(run.out, "metrics.jsonl"), keep_until=run.start)
-
-    def emit(record: dict) -> None:
-        if log is not None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-
-    bar = tqdm(
-        total=args.steps,
-        initial=run.start,
-        desc=PROG,
-        unit="step",
-        disable=not run.main or args.no_progress,
-        dynamic_ncols=True,
-    )
-    say = bar.write if run.main else (lambda _msg: None)
-    shape = " x ".join(str(n) for n in run.mesh.shape.values())
-    unit = run.corpus.unit
-    for note in (preset_note(args), muon_note(args)):
-        if note:
-            say(note)
-    say(
-        f"{run.param_count / 1e6:.2f}M parameters on a {shape} {tuple(run.mesh.axis_names)} "
-        f"mesh of {jax.default_backend()} devices; "
-        f"config {config_text(run.config)}; corpus {len(run.corpus.train) / 1e6:.1f}M train "
-        f"/ {len(run.corpus.val) / 1e6:.2f}M val {unit}s ({run.corpus.description}), "
-        f"unigram entropy {run.entropy:.3f} nats ({data.bits(run.entropy):.2f} bits) per "
-        f"{unit}; out {run.out}"
-    )
-
-    train_loss = val_loss = float("nan")
-    timed_steps, timed_seconds = 0, 0.0
-    stopped = None
     guard = StopGuard()
     with guard, data.Prefetcher(make_batch, run.start, args.steps) as batches:
         for step, (digest, batch) in batches:
             t = time.perf_counter()
-            state, metrics = run.compiled_step(state, batch)
-            train_loss = float(metrics["loss"])
+            loop.state, metrics = run.compiled_step(loop.state, batch)
+            loop.train_loss = train_loss = float(metrics["loss"])
             dt = time.perf_counter() - t
             done = step + 1
             if done > run.start + 1:  # the first step of a run warms up
-                timed_steps += 1
-                timed_seconds += dt
-            rate = timed_steps * tokens_per_step / timed_seconds if timed_seconds else 0.0
+                loop.timed_steps += 1
+                loop.timed_seconds += dt
             bar.update(1)
-            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{rate:,.0f}")
-            emit({"step": done, "loss": train_loss, "data_crc32": digest})
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{loop.tokens_per_s(0.0):,.0f}")
+            loop.emit({"step": done, "loss": train_loss, "data_crc32": digest})
             if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-                val_loss = evaluate()
+                val_loss = loop.evaluate()
                 say(f"step {done}: train loss {train_loss:.4f}, val loss {val_loss:.4f}")
-                emit({"step": done, "val_loss": val_loss})
+                loop.emit({"step": done, "val_loss": val_loss})
             if args.save_every and done % args.save_every == 0:
-                save(done)
+                loop.save(done)
             if done < args.steps and guard.should_stop(done):
-                save(done)
-                stopped = done
+                loop.save(done)
+                loop.stopped = done
                 break
-    bar.close()
-    if stopped is not None:
-        name = signal.Signals(guard.signal_received).name if guard.signal_received else "a peer"
-        if run.main:
-            where = (
-                "no checkpoint (--engine xla-fsdp)"
-                if args.engine == "xla-fsdp"
-                else f"checkpoint {checkpoint_path(run.out, stopped)}"
-            )
-            print(
-                f"{PROG}: stopped by {name} after step {stopped}; {where}; continue with "
-                f"--resume --out {run.out}",
-                flush=True,
-            )
-        if log is not None:
-            log.close()
-        return EXIT_STOPPED
-    val_loss = evaluate()
-    emit({"step": args.steps, "val_loss": val_loss})
-    save(args.steps)
-    rate = timed_steps * tokens_per_step / timed_seconds if timed_seconds else float("nan")
+    loop.signal_received = guard.signal_received
+
+
+def _report_stop(loop: _Loop) -> None:
+    """Says, on the main process, what stopped the run and how to continue it."""
+    import signal
+
+    run, received = loop.run, loop.signal_received
+    name = signal.Signals(received).name if received else "a peer"
+    if run.main:
+        where = (
+            "no checkpoint (--engine xla-fsdp)"
+            if run.args.engine == "xla-fsdp"
+            else f"checkpoint {checkpoint_path(run.out, loop.stopped)}"
+        )
+        print(
+            f"{PROG}: stopped by {name} after step {loop.stopped}; {where}; continue with "
+            f"--resume --out {run.out}",
+            flush=True,
+        )
+
+
+def _finish(loop: _Loop) -> None:
+    """The final evaluation and checkpoint, then summary.json and the closing report."""
+    from zeropp_jax.train import data
+
+    run, args = loop.run, loop.run.args
+    val_loss = loop.evaluate()
+    loop.emit({"step": args.steps, "val_loss": val_loss})
+    loop.save(args.steps)
+    rate = loop.tokens_per_s(float("nan"))
 
     ledger_text, ledger_m = "", {}
     if not args.no_ledger:
@@ -429,11 +484,11 @@ def _train(run: _Run) -> int:
         ledger_text = ledger_table(ledgers)
         ledger_m = ledger_summary(ledgers)
     wall = time.time() - run.t0
-    per_byte = run.corpus.bytes_per_token
+    unit, per_byte = run.corpus.unit, run.corpus.bytes_per_token
     bpb = data.bits(val_loss) / per_byte if per_byte else None
     summary = {
         "steps": args.steps,
-        "final_train_loss": train_loss,
+        "final_train_loss": loop.train_loss,
         "final_val_loss": val_loss,
         "val_bits_per_byte": bpb,
         "unit": unit,
@@ -443,33 +498,31 @@ def _train(run: _Run) -> int:
         "param_count": run.param_count,
         "ledger": ledger_m,
     }
-    if run.main:
-        with open(os.path.join(run.out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        lines = [
-            "",
-            f"final train loss {train_loss:.4f}, val loss {val_loss:.4f} nats/{unit} "
-            f"({data.bits(val_loss):.3f} bits"
-            + (f"; {bpb:.3f} bits per byte of text" if bpb and unit != "byte" else "")
-            + f"); unigram entropy {run.entropy:.4f} nats "
-            f"({data.bits(run.entropy):.3f} bits)",
-            f"{rate:,.0f} tokens/s (first step excluded), wall time {wall:.1f} s, "
-            + (
-                "no checkpoint (--engine xla-fsdp)"
-                if args.engine == "xla-fsdp"
-                else f"checkpoint {checkpoint_path(run.out, args.steps)}"
-            ),
+    if not run.main:
+        return
+    with open(os.path.join(run.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    lines = [
+        "",
+        f"final train loss {loop.train_loss:.4f}, val loss {val_loss:.4f} nats/{unit} "
+        f"({data.bits(val_loss):.3f} bits"
+        + (f"; {bpb:.3f} bits per byte of text" if bpb and unit != "byte" else "")
+        + f"); unigram entropy {run.entropy:.4f} nats "
+        f"({data.bits(run.entropy):.3f} bits)",
+        f"{rate:,.0f} tokens/s (first step excluded), wall time {wall:.1f} s, "
+        + (
+            "no checkpoint (--engine xla-fsdp)"
+            if args.engine == "xla-fsdp"
+            else f"checkpoint {checkpoint_path(run.out, args.steps)}"
+        ),
+    ]
+    if ledger_text:
+        lines += [
+            f"communication ledger, M = {2 * run.param_count / 1e6:.2f} MB "
+            f"(parameters in 16 bits):",
+            ledger_text,
         ]
-        if ledger_text:
-            lines += [
-                f"communication ledger, M = {2 * run.param_count / 1e6:.2f} MB "
-                f"(parameters in 16 bits):",
-                ledger_text,
-            ]
-        print("\n".join(lines))
-    if log is not None:
-        log.close()
-    return 0
+    print("\n".join(lines))
 
 
 XLA_FSDP = "XLA FSDP"

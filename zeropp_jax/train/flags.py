@@ -88,7 +88,28 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    g = p.add_argument_group("model")
+    _add_model_flags(p.add_argument_group("model"))
+    _add_training_flags(p.add_argument_group("training"))
+    add_data_flags(p)
+    g = p.add_argument_group("mesh and ZeRO++")
+    _add_mesh_flags(g)
+    _add_wire_flags(g)
+    _add_engine_flags(g)
+    _add_output_flags(p.add_argument_group("output and checkpoints"))
+    g = p.add_argument_group("multi-host (jax.distributed)")
+    g.add_argument("--coordinator", default=None, help="coordinator address host:port")
+    g.add_argument("--num-processes", type=positive_int, default=None, help="processes in the job")
+    g.add_argument("--process-id", type=non_negative_int, default=None, help="this process's id")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() with cluster auto-detection",
+    )
+    return p
+
+
+def _add_model_flags(g: argparse._ArgumentGroup) -> None:
+    """The GPT's size and shape: `--model` and the flags that override it."""
     g.add_argument(
         "--model",
         choices=MODELS,
@@ -140,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(tiny: 1, others 16)",
     )
 
-    g = p.add_argument_group("training")
+
+def _add_training_flags(g: argparse._ArgumentGroup) -> None:
+    """Steps, batch, learning rate, optimizer, seed and evaluation."""
     g.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (200)")
     g.add_argument("--batch", type=positive_int, default=32, help="global batch, sequences (32)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
@@ -196,9 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="MB of stdlib source read at start-up, for the built-in corpus (16)",
     )
 
-    add_data_flags(p)
 
-    g = p.add_argument_group("mesh and ZeRO++")
+def _add_mesh_flags(g: argparse._ArgumentGroup) -> None:
+    """The mesh's axis sizes and the `--preset` of the ZeRO++ flags."""
     g.add_argument(
         "--nodes",
         type=positive_int,
@@ -232,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Muon tolerates); flags given explicitly still override it (muon with --optimizer "
         "muon, else zeropp; the trainer prints which)",
     )
+
+
+def _add_wire_flags(g: argparse._ArgumentGroup) -> None:
+    """Bits, rotation and error feedback on the weight gathers and gradient hops."""
     g.add_argument(
         "--weight-bits",
         type=bit_width,
@@ -302,14 +329,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="zero the residuals every this many steps, 0 = never (0)",
     )
+
+
+def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
+    """hpZ, block sizes, dtype, kernels and the engine choice."""
     g.add_argument(
         "--shared-grad",
         choices=SHARED_GRAD,
-        default="once",
+        default="auto",
         help="gradient of the tied embedding (read by the lookup and the head): once (sum "
-        "the uses, reduce once; holds the head's full gradient through the backward) or "
+        "the uses, reduce once; holds the head's full gradient through the backward), "
         "per_use (reduce each use's as it is made: less memory, one more reduction of "
-        "the table per step) (once)",
+        "the table per step), or auto (per_use where the held gradient would exceed a "
+        "fifth of the device's master weights, else once) (auto)",
     )
     g.add_argument(
         "--no-hierarchical",
@@ -358,7 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
         "writes no checkpoints) (zeropp)",
     )
 
-    g = p.add_argument_group("output and checkpoints")
+
+def _add_output_flags(g: argparse._ArgumentGroup) -> None:
+    """The run directory, checkpoints, ledger, progress bar and `--plan`."""
     g.add_argument("--out", default=None, help="output directory (default: runs/<--name>)")
     g.add_argument(
         "--name",
@@ -389,17 +423,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run even when XLA's memory analysis says a step needs more than a device has",
     )
-
-    g = p.add_argument_group("multi-host (jax.distributed)")
-    g.add_argument("--coordinator", default=None, help="coordinator address host:port")
-    g.add_argument("--num-processes", type=positive_int, default=None, help="processes in the job")
-    g.add_argument("--process-id", type=non_negative_int, default=None, help="this process's id")
-    g.add_argument(
-        "--distributed",
-        action="store_true",
-        help="call jax.distributed.initialize() with cluster auto-detection",
-    )
-    return p
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
