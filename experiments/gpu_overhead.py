@@ -67,9 +67,9 @@ def trainer_argv() -> list[str]:
     return [*gpu_step.trainer_args("125m", 1024, 8), "--no-scan-layers"]
 
 
-def build_step(engine: str, mesh: Any) -> tuple[Any, Any, Any]:
+def build_step(engine: str, mesh: Any, argv: list[str] | None = None) -> tuple[Any, Any, Any]:
     """`(jitted step, abstract state, abstract batch)` of `engine`, as `gpu_step.measure`
-    builds them, from shapes."""
+    builds them, from shapes (the trainer's flags `argv`; None: `trainer_argv()`)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -81,7 +81,7 @@ def build_step(engine: str, mesh: Any) -> tuple[Any, Any, Any]:
     from zeropp_jax.train.flags import gpt_config, parse_args
     from zeropp_jax.train.model import GPT, init_fn
 
-    args = parse_args(trainer_argv())
+    args = parse_args(trainer_argv() if argv is None else argv)
     gpt = gpt_config(args)
     net, tx = GPT(gpt), make_optimizer(args)
     sharding = NamedSharding(mesh, BATCH_SPEC)

@@ -299,6 +299,33 @@ def test_zeropp_step_compiles_with_asynchronous_8_bit_gathers():
     assert "all-to-all/node: float32,uint8" in program["wire_dtypes"]
 
 
+@needs_plugin
+def test_engine_programs_on_one_h200_run_xla_fsdps_gemms_and_no_codec():
+    """Issue #50's test on the compiled GPU program (`experiments/gpu_overhead.py`'s
+    reading), for the trainer's tiny GPT unscanned on one H200: ZeRO-3's and ZeRO++'s
+    programs run exactly XLA FSDP's GEMM flops (no use's forward run again in its
+    backward: the tied head's was), and ZeRO++ on one device runs no quantization kernel
+    (nothing is sent there)."""
+    import warnings
+
+    import gpu_overhead
+
+    from zeropp_jax.choices import NothingSentWarning
+
+    mesh = gpu_compile.gpu_mesh("h200", 1, 1)
+    argv = ["--batch", "2", "--seq-len", "64", "--no-scan-layers"]
+    per = {}
+    for engine in ("XLA FSDP", "ZeRO-3", "ZeRO++"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NothingSentWarning)
+            fn, state, batch = gpu_overhead.build_step(engine, mesh, argv)
+            per[engine] = gpu_overhead.kernels(fn.lower(state, batch).compile().as_text())
+    flops = {e: sum(k.flops * k.launches for k in ks) for e, ks in per.items()}
+    assert flops["XLA FSDP"] > 0
+    assert flops["ZeRO-3"] == flops["ZeRO++"] == flops["XLA FSDP"], flops
+    assert not [k.name for k in per["ZeRO++"] if k.kind == "pallas"]
+
+
 class _Lowered:
     """Stands in for `jax.stages.Lowered`: refuses options named in `refused`."""
 
