@@ -22,7 +22,7 @@ from test_engine_pallas import Tiny
 
 import pallas_kernels as pk
 import zeropp_jax as zpp
-from zeropp_jax import island
+from zeropp_jax import choices
 from zeropp_jax.kernels import pallas_codec
 from zeropp_jax.quant import XLA_CODEC
 
@@ -107,14 +107,23 @@ def test_dequantize_sum_quantize_lowers_to_triton(bits, out_bits, stochastic):
     assert _kernel_names(text) == [f"dequantize_sum_quantize_blocks_{bits}to{out_bits}bit"]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """No plan resolved with the codec patched below outlives its test."""
+    yield
+    choices.resolve.cache_clear()
+
+
 def _compiled_pallas_as_on_a_gpu(monkeypatch) -> None:
     """Lets this CPU process build an engine with the compiled kernels, as a GPU one would.
 
     Only lowering works afterwards: running anything that calls a kernel raises."""
-    resolve = island.resolve_codec
+    resolve = choices.resolve_codec
     monkeypatch.setattr(
-        island, "resolve_codec", lambda config, platform=None: resolve(config, platform="gpu")
+        choices, "resolve_codec", lambda config, platform=None: resolve(config, platform="gpu")
     )
+    # Plans are resolved once per config and mesh (`_fresh_plans` clears them after).
+    choices.resolve.cache_clear()
 
 
 class _CudaLowering:
@@ -221,12 +230,12 @@ def test_trace_for_gpu_names_an_h100_and_puts_shard_maps_on_it():
 def test_compiled_kernels_refuse_block_sizes_that_are_not_powers_of_two():
     config = zpp.ZeroPPConfig(kernels="pallas", grad_block_size=96)
     with pytest.raises(ValueError, match="tile blocks in powers of two, but grad_block_size=96"):
-        island.resolve_codec(config, platform="gpu")
+        choices.resolve_codec(config, platform="gpu")
     with pytest.raises(ValueError, match="weight_block_size=48"):  # "auto" is Pallas on GPU
-        island.resolve_codec(zpp.ZeroPPConfig(weight_block_size=48), platform="gpu")
-    interpreted = island.resolve_codec(config.replace(kernels="pallas_interpret"))
+        choices.resolve_codec(zpp.ZeroPPConfig(weight_block_size=48), platform="gpu")
+    interpreted = choices.resolve_codec(config.replace(kernels="pallas_interpret"))
     assert interpreted is pallas_codec(interpret=True)
-    assert island.resolve_codec(config.replace(kernels="xla"), platform="gpu") is XLA_CODEC
+    assert choices.resolve_codec(config.replace(kernels="xla"), platform="gpu") is XLA_CODEC
 
 
 def test_gpt_step_lowers_for_cuda_and_sends_what_the_xla_step_sends(monkeypatch):
