@@ -131,9 +131,7 @@ def measure(
     seconds = time.perf_counter() - t
     sent = link = tied = ""  # the baselines' collectives exist only once XLA compiled them
     if engine not in ("data parallel", "XLA FSDP"):
-        layouts = state.layouts[1]
-        table = max(range(len(layouts)), key=lambda i: layouts[i].size)
-        tied = "per use" if table in choices.per_use_leaves(state.plan, layouts) else "once"
+        tied = "per use" if choices.largest_per_use(state.plan, state.layouts[1]) else "once"
         ledger = zpp.comm_ledger(step, state, batch, param_count=param_count(gpt))
         sent = round(ledger.in_units_of_M(ledger.total_bytes), 4)
         link = round(ledger.in_units_of_M(ledger.link_bytes), 4)

@@ -264,6 +264,13 @@ def per_use_leaves(plan: Plan, leaf_layouts: Sequence[part.LeafLayout]) -> froze
     return frozenset(i for i in sharded if itemsize * leaf_layouts[i].size > PER_USE_ABOVE * master)
 
 
+def largest_per_use(plan: Plan, leaf_layouts: Sequence[part.LeafLayout]) -> bool:
+    """Whether the largest leaf (a tied embedding's table) would have its gradient reduced
+    per use (`per_use_leaves`): what the trainer and the memory tables report."""
+    largest = max(range(len(leaf_layouts)), key=lambda i: leaf_layouts[i].size)
+    return largest in per_use_leaves(plan, leaf_layouts)
+
+
 @functools.lru_cache(maxsize=64)
 def resolve(config: ZeroPPConfig, mesh: Any) -> Plan:
     """The `Plan` of `config` on `mesh` (a `('node', 'local'[, 'model'])` mesh).

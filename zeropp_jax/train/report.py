@@ -65,9 +65,7 @@ def shared_grad_text(config: Any, state: Any = None) -> str:
         return "" if config.shared_grad == "once" else ", tied gradients reduced per use"
     if state is None:
         return ", tied gradients reduced once or per use (auto)"
-    layouts = state.layouts[1]
-    table = max(range(len(layouts)), key=lambda i: layouts[i].size)
-    per_use = table in choices.per_use_leaves(state.plan, layouts)
+    per_use = choices.largest_per_use(state.plan, state.layouts[1])
     return f", tied gradients reduced {'per use' if per_use else 'once'} (auto)"
 
 
