@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeropp_jax.quant import XLA_CODEC, Codec, check_bits, fold_left
+from zeropp_jax.quant import XLA_CODEC, Codec, check_bits
 from zeropp_jax.rotation import effective_rotation_block, rotate_blocks
 from zeropp_jax.wire import (
     AxisName,
@@ -40,8 +40,12 @@ from zeropp_jax.wire import (
 
 
 def _fold_sum(stacked: jax.Array) -> jax.Array:
-    """float32 sum over axis 0, left to right (one add in the program, `quant.fold_left`)."""
-    return fold_left(lambda g: stacked[g].astype(jnp.float32), stacked.shape[0])
+    """float32 sum over axis 0, left to right. Unrolled, not `quant.fold_left`: it runs on
+    every platform (hpZ's 16-bit hop), and a loop there is a GPU loop of small launches."""
+    acc = stacked[0].astype(jnp.float32)
+    for g in range(1, stacked.shape[0]):
+        acc = acc + stacked[g].astype(jnp.float32)
+    return acc
 
 
 def reduce_scatter_quantized(
