@@ -32,10 +32,11 @@ import warnings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import _engines  # noqa: E402
 import memory  # noqa: E402
 
-VARIANTS = {  # name: (base, overrides); base None is XLA's FSDP (`zeropp_jax.baselines`)
-    "XLA FSDP": (None, {}),
+VARIANTS = {  # name: (engine of `_engines`, ZeroPPConfig overrides)
+    "XLA FSDP": ("xla_fsdp", {}),
     "ZeRO-3": ("zero3", {}),
     "ZeRO++": ("zeropp", {}),
     "ZeRO++ weight_bits=None": ("zeropp", {"weight_bits": None}),
@@ -69,7 +70,6 @@ def _build(variant: str, size: str, mesh_shape: tuple[int, int], seq: int):
     from jax.sharding import NamedSharding
 
     import zeropp_jax as zpp
-    from zeropp_jax import baselines
     from zeropp_jax.partition import BATCH_SPEC
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args
@@ -84,17 +84,17 @@ def _build(variant: str, size: str, mesh_shape: tuple[int, int], seq: int):
     model, params = GPT(gpt), init_fn(gpt, 0)
     mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:n])
     batch = jax.ShapeDtypeStruct((n, seq + 1), jnp.int32, sharding=NamedSharding(mesh, BATCH_SPEC))
-    base, overrides = VARIANTS[variant]
-    if base is None:
-        state = baselines.xla_fsdp_state(
-            apply_fn=model.apply, params=params, tx=tx, mesh=mesh, abstract=True
-        )
-        return (lambda: baselines.xla_fsdp_step(train_step, state, mesh)), state, batch
-    config = (zpp.ZeroPPConfig.zero3 if base == "zero3" else zpp.ZeroPPConfig)(**overrides)
-    state = zpp.TrainState.abstract(
-        apply_fn=model.apply, params=params, tx=tx, mesh=mesh, config=config
+    engine, overrides = VARIANTS[variant]
+    state, make_step = _engines.build(
+        engine,
+        apply_fn=model.apply,
+        params=params,
+        tx=tx,
+        mesh=mesh,
+        overrides=overrides,
+        abstract=True,
     )
-    return (lambda: zpp.shard(train_step, donate_state=True)), state, batch
+    return (lambda: make_step(train_step)), state, batch
 
 
 @contextlib.contextmanager

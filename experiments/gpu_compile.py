@@ -66,6 +66,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs JAX; the GPU is a
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import _engines  # noqa: E402
 from gpu_program import (  # noqa: E402
     ENGINES,
     FLAG_SETS,
@@ -223,8 +224,6 @@ def build_step(engine: str, model: str, mesh: Any) -> Step:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    import zeropp_jax as zpp
-    from zeropp_jax import baselines
     from zeropp_jax.partition import BATCH_SPEC
     from zeropp_jax.train import plan
     from zeropp_jax.train.cli import make_optimizer, train_step
@@ -242,35 +241,22 @@ def build_step(engine: str, model: str, mesh: Any) -> Step:
     kw = dict(batch=args.batch // n, seq=gpt.seq_len, mesh_shape=(nodes, local))
     d, f = gpt.d_model, gpt.mlp_ratio * gpt.d_model
     layer_bytes = 2 * (4 * d * d + 2 * d * f + 9 * d + f)
-    if engine == "XLA FSDP":
-        state = baselines.xla_fsdp_state(
-            apply_fn=net.apply,  # the GPT pins its activations to the batch itself
-            params=init_fn(gpt, 0),
-            tx=tx,
-            mesh=mesh,
-            abstract=True,
+    state, make_step = _engines.build(
+        engine,
+        apply_fn=net.apply,  # the GPT pins its activations to the batch itself
+        params=init_fn(gpt, 0),
+        tx=tx,
+        mesh=mesh,
+        abstract=True,
+    )
+    fn = make_step(train_step)
+    config = _engines.config_of(engine)  # None for XLA FSDP
+    layouts = None if config is None else state.layouts[1]
+
+    def estimate(platform):
+        return plan.estimate(
+            gpt, state=state, layouts=layouts, config=config, platform=platform, **kw
         )
-        fn = baselines.xla_fsdp_step(train_step, state, mesh)
-        config = None
-
-        def estimate(platform):
-            return plan.estimate(gpt, state=state, layouts=None, platform=platform, **kw)
-
-    else:
-        config = {
-            "ZeRO-3": zpp.ZeroPPConfig.zero3(),
-            "ZeRO++": zpp.ZeroPPConfig(),
-            "int4-delta": zpp.ZeroPPConfig(weight_delta_bits=4),
-        }[engine]
-        state = zpp.TrainState.abstract(
-            apply_fn=net.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, config=config
-        )
-        fn = zpp.shard(train_step, donate_state=True)
-
-        def estimate(platform):
-            return plan.estimate(
-                gpt, state=state, layouts=state.layouts[1], config=config, platform=platform, **kw
-            )
 
     return Step(
         fn, state, batch, estimate("gpu"), estimate("cpu"), config, layer_bytes, param_count(gpt)

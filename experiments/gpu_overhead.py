@@ -48,10 +48,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs JAX; the GPU is a
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import _engines  # noqa: E402
 import gpu_step  # noqa: E402
 
 ENGINES = ("XLA FSDP", "ZeRO-3", "ZeRO++")
-SLUGS = {"XLA FSDP": "xla_fsdp", "ZeRO-3": "zero3", "ZeRO++": "zeropp"}
+SLUGS = {engine: _engines.lookup(engine).slug for engine in ENGINES}
 MEASURED_MS = {"XLA FSDP": 60.70, "ZeRO-3": 65.65, "ZeRO++": 67.38}
 """The medians `gpu_step.py --no-scan-layers` measured on one H200 (jax 0.11.2,
 `experiments/results/gpu_h200/gpu_step_unscanned.log`)."""
@@ -74,8 +75,6 @@ def build_step(engine: str, mesh: Any, argv: list[str] | None = None) -> tuple[A
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    import zeropp_jax as zpp
-    from zeropp_jax import baselines
     from zeropp_jax.partition import BATCH_SPEC
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args
@@ -86,16 +85,10 @@ def build_step(engine: str, mesh: Any, argv: list[str] | None = None) -> tuple[A
     net, tx = GPT(gpt), make_optimizer(args)
     sharding = NamedSharding(mesh, BATCH_SPEC)
     batch = jax.ShapeDtypeStruct((args.batch, gpt.seq_len + 1), jnp.int32, sharding=sharding)
-    if engine == "XLA FSDP":
-        state = baselines.xla_fsdp_state(
-            apply_fn=net.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, abstract=True
-        )
-        return baselines.xla_fsdp_step(train_step, state, mesh), state, batch
-    config = gpu_step.configs()[engine]
-    state = zpp.TrainState.abstract(
-        apply_fn=net.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, config=config
+    state, make_step = _engines.build(
+        engine, apply_fn=net.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, abstract=True
     )
-    return zpp.shard(train_step, donate_state=True), state, batch
+    return make_step(train_step), state, batch
 
 
 def xla_cost(compiled: Any) -> dict[str, float]:

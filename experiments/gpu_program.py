@@ -22,14 +22,16 @@ import re
 from typing import Any
 
 import _common
+import _engines
 
 ENGINES = ("ZeRO-3", "ZeRO++", "int4-delta", "XLA FSDP")
 MODELS = ("gpt", "1.3b")
 MESHES = ("2x4", "2x8")
 FLAG_SETS = ("none", "docs")
 """The rows' vocabulary, in the table's order."""
-SLUGS = {"ZeRO-3": "zero3", "ZeRO++": "zeropp", "int4-delta": "int4_delta", "XLA FSDP": "xla_fsdp"}
-"""Each engine's name in the names of the saved programs (`--save-hlo`)."""
+SLUGS = {engine: _engines.lookup(engine).slug for engine in ENGINES}
+"""Each engine's name in the names of the saved programs (`--save-hlo`): its `_engines`
+slug."""
 
 
 _KEPT_OPS = ("while", "call", "conditional", "async-start", "async-done")

@@ -30,22 +30,10 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import _engines  # noqa: E402
 
 ENGINES = ("XLA FSDP", "ZeRO-3", "ZeRO++", "zeropp_delta2", "beyond_d2")
-
-
-def configs():
-    """The `ZeroPPConfig` of each engine but XLA FSDP."""
-    import zeropp_jax as zpp
-
-    return {
-        "ZeRO-3": zpp.ZeroPPConfig.zero3(),
-        "ZeRO++": zpp.ZeroPPConfig(),
-        "zeropp_delta2": zpp.ZeroPPConfig.beyond(),
-        "beyond_d2": zpp.ZeroPPConfig(
-            weight_delta_bits=2, grad_bits=8, grad_node_bits=4, grad_rotation=True
-        ),
-    }
+"""The engines measured, as `_engines` spells them (the last two by their aliases)."""
 
 
 def trainer_args(model: str, seq_len: int, batch: int) -> list[str]:
@@ -63,7 +51,6 @@ def measure(engine: str, argv: list[str], steps: int, mesh) -> dict:
     from jax.sharding import NamedSharding
 
     import zeropp_jax as zpp
-    from zeropp_jax import baselines
     from zeropp_jax.partition import BATCH_SPEC
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args
@@ -73,20 +60,13 @@ def measure(engine: str, argv: list[str], steps: int, mesh) -> dict:
     gpt = gpt_config(args)
     net, tx = GPT(gpt), make_optimizer(args)
     params = init_fn(gpt, 0)
-    if engine == "XLA FSDP":
-        state = baselines.xla_fsdp_state(apply_fn=net.apply, params=params, tx=tx, mesh=mesh)
-        fn = baselines.xla_fsdp_step(train_step, state, mesh)
-    else:
-        config = configs()[engine]
-        state = zpp.TrainState.create(
-            apply_fn=net.apply, params=params, tx=tx, mesh=mesh, config=config
-        )
-        fn = zpp.shard(train_step, donate_state=True)
+    state, make_step = _engines.build(engine, apply_fn=net.apply, params=params, tx=tx, mesh=mesh)
+    fn = make_step(train_step)
     tokens = jax.random.randint(
         jax.random.key(1), (args.batch, gpt.seq_len + 1), 0, gpt.vocab_size, jnp.int32
     )
     batch = jax.device_put(tokens, NamedSharding(mesh, BATCH_SPEC))
-    ledger = zpp.comm_ledger(fn, state, batch) if engine != "XLA FSDP" else None
+    ledger = zpp.comm_ledger(fn, state, batch) if _engines.lookup(engine).kind == "zpp" else None
     compiled = fn.lower(state, batch).compile()  # timed below: compiled once, not again
     mem = compiled.memory_analysis()
     del params

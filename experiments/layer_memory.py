@@ -7,7 +7,7 @@
 For each layout (unrolled blocks, `nn.scan` over stacked blocks) and depth, compiles one
 training step (AdamW, bfloat16 compute, global batch 16, sequence 128, the GPT's remat
 policy `--remat`, the same under every engine) and reads `compiled.memory_analysis()` per
-device under each engine of `_engines.ENGINES`: plain one-device training of the same
+device under each engine of `_engines.COMPARED`: plain one-device training of the same
 per-device batch (`jax.jit`, nothing sharded), XLA's own FSDP (`zeropp_jax.baselines`:
 `jax.jit` with the parameters and optimizer state sharded over all devices), our ZeRO-3
 and ZeRO++ through `zpp.shard`, on a 2 x 4 mesh. No XLA flag other than the emulated
@@ -29,7 +29,7 @@ import _common  # noqa: E402
 
 _common.request_cpu_devices(8)
 
-from _engines import ENGINES, compiled_step  # noqa: E402
+from _engines import COMPARED, compiled_step  # noqa: E402
 
 from zeropp_jax.train.model import REMAT, GPTConfig  # noqa: E402
 
@@ -74,14 +74,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for scan in (False, True):
         measured = {}
-        for engine in ENGINES:
+        for engine in COMPARED:
             for depth in depths:
                 cfg = dataclasses.replace(base, n_layers=depth, scan=scan)
                 measured[engine, depth] = compiled_memory(engine, cfg)
                 print(engine, "scan" if scan else "unrolled", depth, measured[engine, depth])
         lo, hi = depths
         layer = layer_bytes(base)
-        for engine in ENGINES:
+        for engine in COMPARED:
             added = (measured[engine, hi]["temp"] - measured[engine, lo]["temp"]) / (hi - lo)
             deep = dataclasses.replace(base, n_layers=hi)
             rows.append(

@@ -45,11 +45,12 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import _engines  # noqa: E402
 
 SIZES = ("125m", "350m", "1.3b", "6.7b")
 ENGINES = ("data parallel", "XLA FSDP", "ZeRO-3", "ZeRO-3 per-use", "ZeRO++", "ZeRO++ per-use")
 SEQ = 2048
-PER_USE = "per-use"
+PER_USE = " per-use"
 """An engine name ending in this (e.g. "ZeRO-3 per-use") runs `shared_grad="per_use"`."""
 GB = 1e9
 
@@ -68,10 +69,9 @@ def measure(
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import zeropp_jax as zpp
-    from zeropp_jax import baselines, choices
+    from zeropp_jax import choices
     from zeropp_jax.partition import BATCH_SPEC
     from zeropp_jax.train import fit, plan
     from zeropp_jax.train.cli import make_optimizer, train_step
@@ -95,35 +95,23 @@ def measure(
         internal_bytes=plan.internal_bytes_for(jax.default_backend(), 2),
     )
     t = time.perf_counter()
-    if engine in ("data parallel", "XLA FSDP"):
-        state = baselines.xla_fsdp_state(
-            apply_fn=model.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, abstract=True
-        )
-        if engine == "XLA FSDP":
-            step = baselines.xla_fsdp_step(train_step, state, mesh)
-            est = plan.estimate(gpt, state=state, layouts=None, **kw)
-        else:
-            replicated = NamedSharding(mesh, P())
-            state = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state
-            )
-            shardings = jax.tree.map(lambda x: x.sharding, state)
-            step = jax.jit(
-                train_step,
-                in_shardings=(shardings, batch_sharding),
-                out_shardings=(shardings, replicated),
-                donate_argnums=(0,),
-            )
-            est = plan.estimate(gpt, state=state, layouts=None, replicated=True, **kw)
+    base = engine.removesuffix(PER_USE)
+    state, make_step = _engines.build(
+        base,
+        apply_fn=model.apply,
+        params=init_fn(gpt, 0),
+        tx=tx,
+        mesh=mesh,
+        overrides={"shared_grad": "per_use"} if engine.endswith(PER_USE) else None,
+        abstract=True,
+    )
+    step = make_step(train_step)
+    if base in ("data parallel", "XLA FSDP"):
+        replicated = base == "data parallel"
+        est = plan.estimate(gpt, state=state, layouts=None, replicated=replicated, **kw)
     else:
-        config = zpp.ZeroPPConfig.zero3() if engine.startswith("ZeRO-3") else zpp.ZeroPPConfig()
-        if PER_USE in engine:
-            config = config.replace(shared_grad="per_use")
-        state = zpp.TrainState.abstract(
-            apply_fn=model.apply, params=init_fn(gpt, 0), tx=tx, mesh=mesh, config=config
-        )
-        step = zpp.shard(train_step, donate_state=True)
-        est = plan.estimate(gpt, state=state, layouts=state.layouts[1], config=config, **kw)
+        layouts = state.layouts[1]
+        est = plan.estimate(gpt, state=state, layouts=layouts, config=state.config, **kw)
     if not compile:
         return {"mesh": f"{nodes}x{local}", "model": size, "engine": engine,
                 "estimate_GB": round(est.total / GB, 3)}  # fmt: skip

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 
+import _engines
 from _common import RESULTS, machine_line, request_cpu_devices, write_table
 
 request_cpu_devices(8)
@@ -56,16 +57,17 @@ def step_bytes(flags: list[str], optimizer: str, compiled: bool):
     """The ZeRO++ step's ledger on a 2 x 4 mesh (lowered, or compiled)."""
     args = parse_args([*flags, "--optimizer", optimizer])
     gpt = gpt_config(args)
-    mesh = zpp.make_mesh(2, 4)
-    state = zpp.TrainState.abstract(
+    state, make_step = _engines.build(
+        "ZeRO++",
         apply_fn=GPT(gpt).apply,
         params=init_fn(gpt, 0),
         tx=optimizers.make_optimizer(args),
-        mesh=mesh,
-        config=zpp.ZeroPPConfig(),
+        mesh=zpp.make_mesh(2, 4),
+        abstract=True,
+        donate=False,
     )
     batch = jax.ShapeDtypeStruct((args.batch, gpt.seq_len + 1), np.int32)
-    return zpp.comm_ledger(zpp.shard(cli.train_step), state, batch, compiled=compiled)
+    return zpp.comm_ledger(make_step(cli.train_step), state, batch, compiled=compiled)
 
 
 def main(argv=None) -> None:

@@ -30,6 +30,7 @@ import argparse
 import pathlib
 from collections.abc import Sequence
 
+import _engines
 from _common import RESULTS, machine_line, request_cpu_devices, write_table
 
 request_cpu_devices(8)
@@ -38,14 +39,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
-from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step  # noqa: E402
 from zeropp_jax.train import cli, fit, optimizers  # noqa: E402
 from zeropp_jax.train.flags import OPTIMIZERS, gpt_config, parse_args, zeropp_config  # noqa: E402
 from zeropp_jax.train.model import GPT, init_fn, param_count  # noqa: E402
 
 MODEL = ("--d-model", "128", "--n-layers", "2", "--n-heads", "4", "--seq-len", "128")
 MODEL += ("--batch", "16", "--scan-layers")
-ENGINES: dict[str, tuple[str, ...]] = {
+ENGINES: dict[str, tuple[str, ...]] = {  # by the trainer's `--engine` values
     "zeropp": (),
     "zero3": ("--engine", "zero3"),
     "xla-fsdp": ("--engine", "xla-fsdp"),
@@ -62,17 +62,16 @@ def row(optimizer: str, engine: str, flags: Sequence[str]) -> dict:
     mesh = zpp.make_mesh(2, 4)
     batch = jax.ShapeDtypeStruct((args.batch, gpt.seq_len + 1), np.int32)
     tx = optimizers.make_optimizer(args)
-    params = init_fn(gpt, 0)
-    if args.engine == "xla-fsdp":
-        state = xla_fsdp_state(
-            apply_fn=GPT(gpt).apply, params=params, tx=tx, mesh=mesh, abstract=True
-        )
-        step = xla_fsdp_step(cli.train_step, state, mesh)
-    else:
-        state = zpp.TrainState.abstract(
-            apply_fn=GPT(gpt).apply, params=params, tx=tx, mesh=mesh, config=zeropp_config(args)
-        )
-        step = zpp.shard(cli.train_step, mesh=mesh, donate_state=True)
+    state, make_step = _engines.build(
+        args.engine,
+        apply_fn=GPT(gpt).apply,
+        params=init_fn(gpt, 0),
+        tx=tx,
+        mesh=mesh,
+        config=None if args.engine == "xla-fsdp" else zeropp_config(args),
+        abstract=True,
+    )
+    step = make_step(cli.train_step)
     lowered = step.lower(state, batch)
     need = fit.need_of(lowered.compile())
     count = param_count(gpt)

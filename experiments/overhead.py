@@ -25,6 +25,7 @@ import os
 import statistics
 import time
 
+import _engines
 from _common import (
     RESULTS,
     machine_line,
@@ -44,7 +45,6 @@ import optax  # noqa: E402
 import zeropp_jax as zpp  # noqa: E402
 from zeropp_jax import quant  # noqa: E402
 from zeropp_jax.activation_sharding import constrain_to_batch  # noqa: E402
-from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step  # noqa: E402
 
 BASELINES = ("XLA FSDP", "ZeRO-3")
 """Variants the others are compared with."""
@@ -74,13 +74,13 @@ def load_line() -> str:
     return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} (1, 5, 15 min)"
 
 
-VARIANTS = {
-    "XLA FSDP": None,
-    "ZeRO-3": zpp.ZeroPPConfig.zero3(),
-    "qwZ only": zpp.ZeroPPConfig(weight_bits=8, hierarchical=False, grad_bits=None),
-    "hpZ only": zpp.ZeroPPConfig(weight_bits=None, hierarchical=True, grad_bits=None),
-    "qgZ only": zpp.ZeroPPConfig(weight_bits=None, hierarchical=False, grad_bits=4),
-    "ZeRO++": zpp.ZeroPPConfig(),
+VARIANTS = {  # name: (engine of `_engines`, ZeroPPConfig overrides)
+    "XLA FSDP": ("XLA FSDP", {}),
+    "ZeRO-3": ("ZeRO-3", {}),
+    "qwZ only": ("ZeRO++", {"weight_bits": 8, "hierarchical": False, "grad_bits": None}),
+    "hpZ only": ("ZeRO++", {"weight_bits": None, "hierarchical": True, "grad_bits": None}),
+    "qgZ only": ("ZeRO++", {"weight_bits": None, "hierarchical": False, "grad_bits": 4}),
+    "ZeRO++": ("ZeRO++", {}),
 }
 
 
@@ -119,17 +119,18 @@ def step_times(width: int, depth: int, batch: int, rounds: int) -> dict[str, lis
     x = np.random.RandomState(0).randn(batch, width).astype(np.float32)
     params = model.init(jax.random.key(0), x)["params"]
     runs = {}
-    for name, config in VARIANTS.items():
-        if config is None:
-            state = xla_fsdp_state(
-                apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh
-            )
-            step = xla_fsdp_step(train_step, state, mesh)
-        else:
-            state = zpp.TrainState.create(
-                apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh, config=config
-            )
-            step = zpp.shard(train_step, mesh=mesh, config=config)
+    for name, (engine, overrides) in VARIANTS.items():
+        state, make_step = _engines.build(
+            engine,
+            apply_fn=model.apply,
+            params=params,
+            tx=optax.adam(1e-4),
+            mesh=mesh,
+            overrides=overrides,
+            # As the committed tables measured: XLA FSDP donates its state, ours do not.
+            donate=engine == "XLA FSDP",
+        )
+        step = make_step(train_step)
         state, _ = step(state, x)  # compile + warm-up
         runs[name] = [step, state]
     times = {name: [] for name in VARIANTS}

@@ -67,6 +67,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import _common
+import _engines
 import numpy as np  # noqa: E402
 import volume_table as vt  # sets up the emulated CPU devices before jax starts
 from _projection_model import (
@@ -239,7 +240,8 @@ def calibrate_link(path: pathlib.Path) -> dict[str, Any] | None:
 # Not XLA FSDP: its bytes in units of M depend on the model XLA compiled (which leaves it
 # combines, replicates or all-reduces), and the cluster trains another model than the GPT
 # measured here; cluster.md checks its ledger against the link directly.
-CLUSTER_CONFIGS = {"zero3": "ZeRO-3", "zeropp": "ZeRO++"}
+CLUSTER_CONFIGS = {slug: _engines.lookup(slug).name for slug in ("zero3", "zeropp")}
+"""The cluster's config names (`_engines` slugs) against the variants of the volume table."""
 
 
 def link_check(

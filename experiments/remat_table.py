@@ -12,7 +12,7 @@ tokens; global batch 32, AdamW, bfloat16 compute) and reads per device:
 `compiled.memory_analysis()`'s temporaries, and the compiled cost analysis's flops (XLA
 counts a loop's body once, whatever its trip count: compare rows, not totals). Then runs
 `--steps` steps and takes the median step time after the first. Engines
-(`_engines.ENGINES`): plain one-device training of the per-device batch (`jax.jit`,
+(`_engines.COMPARED`): plain one-device training of the per-device batch (`jax.jit`,
 nothing sharded), XLA's FSDP (`zeropp_jax.baselines`), our ZeRO-3 and ZeRO++ through
 `zpp.shard`, on a 2 x 4 mesh of emulated CPU devices; every engine runs the same policy.
 No XLA flag other than the device count. Writes `remat_table{,_quick}.{md,csv}` into
@@ -35,7 +35,7 @@ import _common  # noqa: E402
 _common.request_cpu_devices(8)
 
 import jax  # noqa: E402
-from _engines import ENGINES, compiled_step  # noqa: E402
+from _engines import COMPARED, compiled_step  # noqa: E402
 
 from zeropp_jax.train.model import PRESETS, REMAT, GPTConfig  # noqa: E402
 
@@ -64,7 +64,7 @@ def flops_check(rows: list[dict]) -> str:
     recomputes nothing)."""
     by = {(r["remat"], r["engine"]): r["flops_M"] for r in rows}
     lines = []
-    for engine in ENGINES:
+    for engine in COMPARED:
         if ("none", engine) in by and ("full", engine) in by:
             none, full = by["none", engine], by["full", engine]
             verdict = "fewer" if none < full else "NOT fewer"
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="d_model 64, 2 layers")
     p.add_argument("--remat", action="append", choices=REMAT, help="default: all three")
-    p.add_argument("--engine", action="append", choices=ENGINES, help="default: all four")
+    p.add_argument("--engine", action="append", choices=COMPARED, help="default: all four")
     p.add_argument("--steps", type=int, default=6, help="steps timed per row (first dropped)")
     p.add_argument("--out", default=str(_common.RESULTS))
     args = p.parse_args(argv)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for remat in args.remat or REMAT:
         cfg = dataclasses.replace(base, remat=remat)
-        for engine in args.engine or ENGINES:
+        for engine in args.engine or COMPARED:
             row = {"remat": remat, "engine": engine, **measure(engine, cfg, args.steps)}
             print(row, flush=True)
             rows.append(row)

@@ -65,6 +65,7 @@ import time
 from typing import Any
 
 import _common
+import _engines
 
 _common.request_cpu_devices(8)
 
@@ -73,11 +74,11 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
-from zeropp_jax import baselines  # noqa: E402
 from zeropp_jax.partition import BATCH_SPEC  # noqa: E402
 from zeropp_jax.train.model import GPT, PRESETS, GPTConfig, init_fn, loss_fn  # noqa: E402
 
 ENGINES = ("xla_fsdp", "zero3", "zeropp")
+"""The engines compared, by their `_engines` slugs."""
 LABELS = {"xla_fsdp": "XLA FSDP + TP", "zero3": "ZeRO-3 + TP", "zeropp": "ZeRO++ + TP"}
 MEASURED_GPT = GPTConfig(seq_len=128, d_model=256, n_layers=4, n_heads=8, scan=True)
 MEASURED_BATCH = 16
@@ -192,12 +193,17 @@ def measure(engine: str, k: int, gpt: GPTConfig | None = None, batch: int | None
     count = sum(x.size for x in jax.tree.leaves(jax.eval_shape(params)))
     sharding = jax.sharding.NamedSharding(mesh, BATCH_SPEC)
     tokens = jax.ShapeDtypeStruct((batch, gpt.seq_len + 1), jnp.int32, sharding=sharding)
-    apply = GPT(gpt).apply
+    state, make_step = _engines.build(
+        engine,
+        apply_fn=GPT(gpt).apply,
+        params=params,
+        tx=tx,
+        mesh=mesh,
+        abstract=True,
+        donate=engine == "xla_fsdp",  # as the committed tables measured: ours not donated
+    )
+    step = make_step(_train_step)
     if engine == "xla_fsdp":
-        state = baselines.xla_fsdp_state(
-            apply_fn=apply, params=params, tx=tx, mesh=mesh, abstract=True
-        )
-        step = baselines.xla_fsdp_step(_train_step, state, mesh)
         compiled = zpp.comm_ledger(step, state, tokens, param_count=count, compiled=True)
         # XLA chooses every collective: those over `model` alone are its tensor-parallel
         # ones, the rest (some over all three axes) its data-parallel ones.
@@ -208,11 +214,6 @@ def measure(engine: str, k: int, gpt: GPTConfig | None = None, batch: int | None
         wire = zpp.comm_ledger(step, state, tokens, param_count=count, partitioned=True)
         dp_wire = [r for r in wire.records if r.axes != ("model",)]
     else:
-        config = zpp.ZeroPPConfig.zero3() if engine == "zero3" else zpp.ZeroPPConfig()
-        state = zpp.TrainState.abstract(
-            apply_fn=apply, params=params, tx=tx, mesh=mesh, config=config
-        )
-        step = zpp.shard(_train_step)
         dp_ledger = zpp.comm_ledger(step, state, tokens, param_count=count)
         dp = list(dp_ledger.records)
         compiled = zpp.comm_ledger(step, state, tokens, param_count=count, compiled=True)

@@ -20,13 +20,15 @@ import subprocess
 import sys
 import tempfile
 
+import _engines
 from _common import RESULTS, machine_line, markdown_table, request_cpu_devices, write_csv
 
 request_cpu_devices(8)  # what the trainer runs on (for the machine line)
 
 from zeropp_jax.provenance import describe  # noqa: E402
 
-ENGINES = {"ZeRO++": "zeropp", "ZeRO-3": "zero3", "XLA FSDP": "xla-fsdp"}
+ENGINES = {name: _engines.lookup(name).flag for name in ("ZeRO++", "ZeRO-3", "XLA FSDP")}
+"""Each engine's display name and its `zeropp-train --engine` value."""
 WIRE = {"XLA FSDP": "XLA FSDP, 16-bit wire"}
 """The `summary.json` ledger of a run at its 16-bit width, where it has its own."""
 

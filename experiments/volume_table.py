@@ -40,6 +40,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import _common
+import _engines
 
 _common.request_cpu_devices(8)
 
@@ -62,21 +63,20 @@ PART_TITLES = {
 
 XLA_FSDP = "XLA FSDP (CPU-compiled)"
 XLA_FSDP_WIRE = "XLA FSDP (16-bit wire)"
+_config = _engines.config_of
 
 VARIANTS: dict[str, zpp.ZeroPPConfig | None] = {
     XLA_FSDP: None,
     XLA_FSDP_WIRE: None,
-    "ZeRO-3": zpp.ZeroPPConfig.zero3(),
-    "+qwZ": zpp.ZeroPPConfig(weight_bits=8, hierarchical=False, grad_bits=None),
-    "+hpZ": zpp.ZeroPPConfig(weight_bits=None, hierarchical=True, grad_bits=None),
-    "+qgZ": zpp.ZeroPPConfig(weight_bits=None, hierarchical=False, grad_bits=4),
-    "ZeRO++": zpp.ZeroPPConfig(),
-    "ZeRO++ int4 weights": zpp.ZeroPPConfig(weight_bits=4),
-    "ZeRO++ int2 gradients": zpp.ZeroPPConfig(grad_bits=2),
-    "ZeRO++ int4 weight deltas": zpp.ZeroPPConfig(weight_delta_bits=4),
-    "ZeRO++ int4 deltas + int8/int2 grads": zpp.ZeroPPConfig(
-        weight_delta_bits=4, grad_bits=8, grad_node_bits=2
-    ),
+    "ZeRO-3": _config("ZeRO-3"),
+    "+qwZ": _config("ZeRO++", weight_bits=8, hierarchical=False, grad_bits=None),
+    "+hpZ": _config("ZeRO++", weight_bits=None, hierarchical=True, grad_bits=None),
+    "+qgZ": _config("ZeRO++", weight_bits=None, hierarchical=False, grad_bits=4),
+    "ZeRO++": _config("ZeRO++"),
+    "ZeRO++ int4 weights": _config("ZeRO++", weight_bits=4),
+    "ZeRO++ int2 gradients": _config("ZeRO++", grad_bits=2),
+    "ZeRO++ int4 weight deltas": _config("int4-delta"),
+    "ZeRO++ int4 deltas + int8/int2 grads": _config("int4-delta", grad_bits=8, grad_node_bits=2),
 }
 # The paper's volumes reduce each weight's gradient once: "auto" would reduce the small
 # model's tied table per use (one more reduction of it).

@@ -18,16 +18,31 @@ Writes `<out>/process_<i>.json`: one record per (K, config, rate).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
 
-from zeropp_jax.launch import initialize_from_env
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # experiments/
+import _engines  # noqa: E402
+
+from zeropp_jax.launch import initialize_from_env  # noqa: E402
 
 UNLIMITED = "inf"
+VARIANTS = {
+    "zero3_noprefetch": ("zero3", {"prefetch": False}),
+    "zeropp_noprefetch": ("zeropp", {"prefetch": False}),
+    # int8 / int4 gradient hops with the rotation and int4 weight deltas: what
+    # ZeroPPConfig.beyond() meant up to commit 70ded59, spelled out so each config's name
+    # means the same at every commit.
+    "beyond": ("beyond_d2", {"weight_delta_bits": 4}),
+    "beyond_d2_node_rot": ("beyond_d2", {"grad_rotation": False, "grad_node_rotation": True}),
+}
+"""The cluster's configs that are an `_engines` engine with `ZeroPPConfig` overrides; every
+other config name is an engine's slug or alias (`xla_fsdp`, `zero3`, `zeropp`,
+`zeropp_delta4`, `beyond_d2`, `zeropp_delta2`)."""
 
 
 def read_counter(iface: str, name: str) -> int:
@@ -88,9 +103,7 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh, model_para
     import numpy as np
     import optax
 
-    import zeropp_jax as zpp
     from zeropp_jax.activation_sharding import constrain_to_batch
-    from zeropp_jax.baselines import xla_fsdp_state, xla_fsdp_step
     from zeropp_jax.train.data import batch_sharding, local_rows, make_global_batch
 
     class MLP(nn.Module):
@@ -129,30 +142,16 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh, model_para
         "y": rs.randn(batch, width).astype(np.float32),
     }
     data = {k: make_global_batch(local_rows(v, sharding), sharding, batch) for k, v in data.items()}
-    if config_name == "xla_fsdp":
-        state = xla_fsdp_state(apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh)
-        return state, xla_fsdp_step(train_step, state, mesh), data, count
-    # int8 / int4 gradient hops with the rotation: what ZeroPPConfig.beyond() meant up to
-    # commit 70ded59, spelled out so each config's name means the same at every commit.
-    rotated = functools.partial(zpp.ZeroPPConfig, grad_bits=8, grad_node_bits=4, grad_rotation=True)
-    config = {
-        "zero3": zpp.ZeroPPConfig.zero3(),
-        "zero3_noprefetch": zpp.ZeroPPConfig.zero3(prefetch=False),
-        "zeropp": zpp.ZeroPPConfig(),
-        "zeropp_noprefetch": zpp.ZeroPPConfig(prefetch=False),
-        "zeropp_delta4": zpp.ZeroPPConfig(weight_delta_bits=4),
-        "beyond": rotated(weight_delta_bits=4),
-        "beyond_d2": rotated(weight_delta_bits=2),
-        "beyond_d2_node_rot": rotated(
-            weight_delta_bits=2, grad_rotation=False, grad_node_rotation=True
-        ),
-        "zeropp_delta2": zpp.ZeroPPConfig.beyond(),
-    }[config_name]  # "xla_fsdp" returned above
-    state = zpp.TrainState.create(
-        apply_fn=model.apply, params=params, tx=optax.adam(1e-4), mesh=mesh, config=config
+    engine, overrides = VARIANTS.get(config_name, (config_name, {}))
+    state, make_step = _engines.build(
+        engine,
+        apply_fn=model.apply,
+        params=params,
+        tx=optax.adam(1e-4),
+        mesh=mesh,
+        overrides=overrides,
     )
-    step = zpp.shard(train_step, mesh=mesh, config=config, donate_state=True)
-    return state, step, data, count
+    return state, make_step(train_step), data, count
 
 
 def run_model_parallel(args, mesh, model_parallel: int, names: list[str]) -> list[dict]:
