@@ -16,34 +16,36 @@ from zeropp_jax import tensor_parallel
 class Gathers(Protocol):
     """What the island tells the interpreter about each sharded leaf (by leaf index).
 
-    `fixed(leaf)` (a `leaf_gathers.Fixed`: stochastic-rounding key, weight-delta
-    reference; `.layer(i)` cuts it to one layer of a stack, `.relaid(axis)` re-lays it
-    out as `relayout.layers_to_front` does the leaf's shard, `.has_reference` says whether
-    the leaf's `wire` is read from a kept reference, no communication, so a loop computes
-    it again where needed rather than keeping it) and `residuals(leaf)` (error feedback)
-    are traced values of the island; the interpreter passes them back explicitly, so the
-    methods below read nothing traced from the object itself. `reduce`'s `layer` is folded
-    into the leaf's stochastic-rounding key (a scan's layer index, or which of a shared
-    weight's per-use reductions it is); None: the key as is. `residuals(leaf)` of a
-    stacked leaf are, like its reference, per-device pieces of the whole leaf
-    (`partition.layer_of_pieces` cuts one layer's out).
+    `state(leaf)` is the leaf's per-step state (a `leaf_gathers.LeafState`): its
+    stochastic-rounding key, weight-delta reference and error-feedback residuals, traced
+    values of the island. The interpreter passes it back to `wire`, `gather`, `reduce` and
+    `full` explicitly, so they read nothing traced from this object. Of the state it reads
+    `.layer(i)`, its cut to one layer of a stack (a stacked leaf's reference and residuals
+    are per-device pieces of the whole leaf); `.relaid(axis)`, the state re-laid out as
+    `relayout.layers_to_front` does the leaf's shard; `.has_reference`, whether `wire`
+    reads a kept reference (no communication, so a loop computes it again where needed
+    rather than keeping it); `.residuals`, empty without error feedback. Only the
+    residuals are differentiated: `reduce` returns `(gradient piece, new residuals)`, and
+    `.cotangent(new)` is the state's cotangent that carries them out of the island.
+
+    `reduce`'s `layer` is folded into the leaf's stochastic-rounding key (a scan's layer
+    index, or which of a shared weight's per-use reductions it is); None: the key as is.
     """
 
     num_devices: int
 
     def layout(self, leaf: int) -> part.LeafLayout: ...
     def name(self, leaf: int) -> str: ...
-    def fixed(self, leaf: int) -> Any: ...
-    def residuals(self, leaf: int) -> Any: ...
-    def wire(self, leaf: int, piece: jax.Array, fixed: Any) -> tuple[jax.Array, ...]: ...
+    def state(self, leaf: int) -> Any: ...
+    def wire(self, leaf: int, piece: jax.Array, state: Any) -> tuple[jax.Array, ...]: ...
     def gather(
-        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, alternate: bool
+        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], state: Any, alternate: bool
     ) -> jax.Array: ...
     def reduce(
-        self, leaf: int, g: jax.Array, fixed: Any, residuals: Any, layer: jax.Array | None
+        self, leaf: int, g: jax.Array, state: Any, layer: jax.Array | None
     ) -> tuple[jax.Array, Any]: ...
     def full(
-        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Any, residuals: Any
+        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], state: Any
     ) -> jax.Array: ...
 
 

@@ -27,7 +27,7 @@ from zeropp_jax import residuals as R
 from zeropp_jax.choices import Plan, per_use_leaves, resolve, rounding_key
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.kernels import shard_map_mesh
-from zeropp_jax.leaf_gathers import LeafGathers, per_leaf, residuals_per_leaf
+from zeropp_jax.leaf_gathers import LeafGathers, LeafState, per_leaf, residuals_per_leaf
 
 
 def _is_batch_leaf(x: Any) -> bool:
@@ -227,22 +227,24 @@ class _Island:
     names: tuple[str, ...]
 
     def gathers(self, refs: list[jax.Array], res: Any, res_at: Any, step: Any) -> LeafGathers:
-        """The step's `LeafGathers`: its rounding keys, references and residuals."""
+        """The step's `LeafGathers`: per leaf, its state (rounding key, reference, residuals)."""
         plan, layouts = self.plan, self.leaf_layouts
+        keys = [
+            rounding_key(plan.rounding_seed, step, i) if step is not None and lo.sharded else None
+            for i, lo in enumerate(layouts)
+        ]
+        refs = per_leaf(refs, [lo.sharded and plan.weight_delta for lo in layouts])
+        res = residuals_per_leaf(res, res_at, layouts)
         return LeafGathers(
             layouts=layouts,
             names=self.names,
             spec=plan.spec,
             num_devices=plan.num_devices,
             check_vma=plan.check_vma,
-            keys=tuple(
-                rounding_key(plan.rounding_seed, step, i)
-                if step is not None and lo.sharded
-                else None
-                for i, lo in enumerate(layouts)
+            states=tuple(
+                LeafState(k, ref, r, lo, plan.num_devices)
+                for k, ref, r, lo in zip(keys, refs, res, layouts, strict=True)
             ),
-            refs=per_leaf(refs, [lo.sharded and plan.weight_delta for lo in layouts]),
-            res=residuals_per_leaf(res, res_at, layouts),
         )
 
     def body(

@@ -47,8 +47,8 @@ class Loop:
       plain_pos: positions in `xs` of the other operands.
       lookahead: 1 to gather one layer ahead of the one that computes, else 0.
       stored_layers: per stacked weight, the layer of the stored leaf (its axis 0) each
-        iteration reads, or None when iteration i reads layer i (what `Fixed.layer`
-        cuts a weight-delta reference by).
+        iteration reads, or None when iteration i reads layer i (what `LeafState.layer`
+        cuts a leaf's state by).
     """
 
     gathers: dataflow.Gathers
@@ -79,35 +79,20 @@ class Loop:
             out[i] = w
         return out
 
-    def fixed_at(self, fixed: list[Any], i: Any) -> list[Any]:
-        """Per stacked weight, what its gather of iteration `i`'s layer reads beside the
-        piece (`Fixed.layer` of the layer that iteration reads)."""
+    def states_at(self, states: list[Any], i: Any) -> list[Any]:
+        """Per stacked weight, what its gather and reduction of iteration `i`'s layer read
+        beside the piece (`LeafState.layer` of the layer that iteration reads)."""
         out = []
-        for k, f in enumerate(fixed):
+        for k, s in enumerate(states):
             ids = self.stored_layers[k] if self.stored_layers else None
-            out.append(f.layer(i if ids is None else jnp.asarray(ids, jnp.int32)[i]))
-        return out
-
-    def residuals_at(self, residuals: list[Any], i: Any) -> list[Any]:
-        """Per stacked weight, its error-feedback residuals cut to iteration `i`'s layer
-        (`()` for a weight without)."""
-        out = []
-        for k, (leaf, res) in enumerate(zip(self.leaves, residuals, strict=True)):
-            ids = self.stored_layers[k] if self.stored_layers else None
-            layer = i if ids is None else jnp.asarray(ids, jnp.int32)[i]
-            lo = self.gathers.layout(leaf)
-            piece = lo.padded // self.gathers.num_devices
-
-            def cut(r, lo=lo, piece=piece, layer=layer):
-                return part.layer_of_pieces(r, lo.lead, piece, layer)
-
-            out.append(jax.tree_util.tree_map(cut, res))
+            out.append(s.layer(i if ids is None else jnp.asarray(ids, jnp.int32)[i]))
         return out
 
     def residuals_of(self, per_layer: list[Any]) -> list[Any]:
-        """Inverse of `residuals_at` over all layers: per stacked weight, its residuals
-        from their per-iteration values stacked `(length, ...)` (every stored layer read
-        once: a checked precondition of error feedback in a loop)."""
+        """Inverse of `states_at`'s cut of the residuals over all layers: per stacked
+        weight, its residuals from their per-iteration values stacked `(length, ...)`
+        (every stored layer read once: a checked precondition of error feedback in a
+        loop)."""
         out = []
         for k, (leaf, stacks) in enumerate(zip(self.leaves, per_layer, strict=True)):
             ids = self.stored_layers[k] if self.stored_layers else None
@@ -123,7 +108,7 @@ class Loop:
     def rewired(self) -> list[bool]:
         """Per stacked weight, whether its wire is computed again in the backward loop (read
         from a kept weight-delta reference, no communication) rather than kept."""
-        return [self.gathers.fixed(leaf).has_reference for leaf in self.leaves]
+        return [self.gathers.state(leaf).has_reference for leaf in self.leaves]
 
     def kept_whole(self) -> list[bool]:
         """Per stacked weight, whether its gathered layer is kept for the backward loop
@@ -180,9 +165,8 @@ def run(
     consts: list[Any],
     init: list[Any],
     plain: list[Any],
-    fixed: list[Any],
+    states: list[Any],
     tie: Any,
-    feedback: list[Any] | None = None,
 ) -> list[Any]:
     """The scan of `loop`, one layer gathered per iteration; returns its outputs (final
     carry, then stacked `ys`).
@@ -194,42 +178,33 @@ def run(
       consts: the scan's constants.
       init: the scan's initial carry.
       plain: the scan's `xs` other than the stacked weights.
-      fixed: per stacked weight, `gathers.fixed(leaf)` (re-laid out as its stack).
+      states: per stacked weight, `gathers.state(leaf)` (re-laid out as its stack). Layer
+        i's gathers and gradient reduction read layer i's cut of it (`Loop.states_at`);
+        its cotangent carries the new error-feedback residuals, every layer's.
       tie: what the first gather waits for (None: nothing).
-      feedback: per stacked weight, `gathers.residuals(leaf)` (error feedback; None: no
-        weight has any). Layer i's gradient reduction reads layer i's cut of them; their
-        cotangents are the new residuals, every layer's.
     """
-    feedback = [()] * len(loop.leaves) if feedback is None else list(feedback)
     r = _Run(loop)
 
     @jax.custom_vjp
-    def scan(shards, feedback, consts, init, plain, fixed, tie):
-        c, ys, _ = r.forward(shards, consts, init, plain, fixed, tie, False)
+    def scan(shards, consts, init, plain, states, tie):
+        c, ys, _ = r.forward(shards, consts, init, plain, states, tie, False)
         return c, ys
 
-    def scan_fwd(shards, feedback, consts, init, plain, fixed, tie):
-        c, ys, saved = r.forward(shards, consts, init, plain, fixed, tie, True)
-        return (c, ys), (shards, feedback, consts, plain, fixed, saved, tie)
+    def scan_fwd(shards, consts, init, plain, states, tie):
+        c, ys, saved = r.forward(shards, consts, init, plain, states, tie, True)
+        return (c, ys), (shards, consts, plain, states, saved, tie)
 
     def scan_bwd(res, cts):
-        shards, feedback, consts, plain, fixed, saved, tie = res
+        shards, consts, plain, states, saved, tie = res
         g_carry, g_ys = cts
-        d_shards, new_feedback, d_consts, d_init, d_plain = r.backward(
-            shards, feedback, consts, plain, fixed, saved, g_carry, g_ys
+        d_shards, d_consts, d_init, d_plain, d_states = r.backward(
+            shards, consts, plain, states, saved, g_carry, g_ys
         )
-        return (
-            d_shards,
-            new_feedback,
-            d_consts,
-            d_init,
-            d_plain,
-            jax.tree_util.tree_map(dataflow.zero_cotangent, fixed),
-            None if tie is None else dataflow.zero_cotangent(tie),
-        )
+        d_tie = None if tie is None else dataflow.zero_cotangent(tie)
+        return d_shards, d_consts, d_init, d_plain, d_states, d_tie
 
     scan.defvjp(scan_fwd, scan_bwd)
-    c, ys = scan(shards, feedback, consts, list(init), plain, fixed, tie)
+    c, ys = scan(shards, consts, list(init), plain, states, tie)
     return [*c, *ys]
 
 
@@ -247,19 +222,19 @@ class _Run:
         # forward is traced and read when the backward is.
         self.traced: dict[str, Any] = {}
 
-    def fetch(self, shards, fixed, i, after):
+    def fetch(self, shards, states, i, after):
         """Layer i's `(flats, wires)`, gathered once `after` exists."""
         loop, g = self.loop, self.loop.gathers
         pieces = dataflow.tie(after, _take(shards, i))
-        fixed = loop.fixed_at(fixed, i)
-        wires = [g.wire(leaf, p, f) for leaf, p, f in zip(loop.leaves, pieces, fixed, strict=True)]
+        states = loop.states_at(states, i)
+        wires = [g.wire(leaf, p, s) for leaf, p, s in zip(loop.leaves, pieces, states, strict=True)]
         flats = [
-            g.gather(leaf, p, w, f, False)
-            for leaf, p, w, f in zip(loop.leaves, pieces, wires, fixed, strict=True)
+            g.gather(leaf, p, w, s, False)
+            for leaf, p, w, s in zip(loop.leaves, pieces, wires, states, strict=True)
         ]
         return flats, wires
 
-    def forward(self, shards, consts, init, plain, fixed, tie, save):
+    def forward(self, shards, consts, init, plain, states, tie, save):
         """`(carry, ys, saved)`; with `save`, `saved` holds per layer (stacked) what its
         backward reads: the VJP of the layer without its weights, and the wires (or, for
         `whole` weights, the gathered layer; nothing for `rewire` ones) to re-gather
@@ -282,34 +257,35 @@ class _Run:
             ]
             return new_c, (y, (_to_bits(leaves), kept))
 
-        fetch = lambda i, after: self.fetch(shards, fixed, i, after)  # noqa: E731
+        fetch = lambda i, after: self.fetch(shards, states, i, after)  # noqa: E731
         c, (ys, saved) = pipelined(
             fetch, compute, list(init), tie, loop.length, loop.lookahead, reverse=False
         )
         return c, ys, saved
 
-    def fetch_back(self, shards, kept, fixed, i, after):
+    def fetch_back(self, shards, kept, states, i, after):
         """Layer i's gathered weights for the backward, once `after` exists: re-gathered
         from the kept wires (or wires computed again), or the kept layer itself."""
         loop, g = self.loop, self.loop.gathers
         kept_i, pieces = dataflow.tie(after, (_take(kept, i), _take(shards, i)))
-        fixed_i = loop.fixed_at(fixed, i)
+        states_i = loop.states_at(states, i)
         kept_i = [
-            g.wire(leaf, p, f) if again else w
-            for leaf, p, w, f, again in zip(
-                loop.leaves, pieces, kept_i, fixed_i, self.rewire, strict=True
+            g.wire(leaf, p, s) if again else w
+            for leaf, p, w, s, again in zip(
+                loop.leaves, pieces, kept_i, states_i, self.rewire, strict=True
             )
         ]
         return [
-            w if keep else g.gather(leaf, p, w, f, True)
-            for leaf, p, w, f, keep in zip(
-                loop.leaves, pieces, kept_i, fixed_i, self.whole, strict=True
+            w if keep else g.gather(leaf, p, w, s, True)
+            for leaf, p, w, s, keep in zip(
+                loop.leaves, pieces, kept_i, states_i, self.whole, strict=True
             )
         ]
 
-    def backward(self, shards, feedback, consts, plain, fixed, saved, g_carry, g_ys):
+    def backward(self, shards, consts, plain, states, saved, g_carry, g_ys):
         """Layers in reverse: re-gather layer i once the cotangent reaching it exists,
-        apply its kept VJP, reduce its weights' gradients."""
+        apply its kept VJP, reduce its weights' gradients. Returns the cotangents of
+        `shards`, `consts`, the carry, `plain` and `states` (the new residuals)."""
         loop, g = self.loop, self.loop.gathers
         res_bits, kept = saved
         floats = [dataflow.is_inexact(x) for x in plain]
@@ -326,10 +302,8 @@ class _Run:
             )
             (d_flats,) = pull_weights(d_pre)
             reduced = [
-                g.reduce(leaf, d, f, r, i)
-                for leaf, d, f, r in zip(
-                    loop.leaves, d_flats, fixed, loop.residuals_at(feedback, i), strict=True
-                )
+                g.reduce(leaf, d, s, i)
+                for leaf, d, s in zip(loop.leaves, d_flats, loop.states_at(states, i), strict=True)
             ]
             g_cs = [a + b for a, b in zip(g_cs, _inexact(consts, d_consts), strict=True)]
             d_plain = [d if fl else None for d, fl in zip(d_plain, floats, strict=True)]
@@ -339,7 +313,7 @@ class _Run:
             ]
             return (g_c, g_cs), (d_plain, d_layers, [r for _, r in reduced])
 
-        fetch = lambda i, after: self.fetch_back(shards, kept, fixed, i, after)  # noqa: E731
+        fetch = lambda i, after: self.fetch_back(shards, kept, states, i, after)  # noqa: E731
         (g_c, g_cs), (d_plain, d_pieces, new_feedback) = pipelined(
             fetch, compute, (g_carry, g_cs), g_carry, loop.length, loop.lookahead, reverse=True
         )
@@ -347,9 +321,11 @@ class _Run:
             d if fl else dataflow.zero_cotangent(x)
             for d, fl, x in zip(d_plain, floats, plain, strict=True)
         ]
-        new_feedback = loop.residuals_of(new_feedback)
+        d_states = [
+            s.cotangent(r) for s, r in zip(states, loop.residuals_of(new_feedback), strict=True)
+        ]
         d_pieces = [d.reshape(x.shape) for d, x in zip(d_pieces, shards, strict=True)]
-        return d_pieces, new_feedback, _consts_cotangent(consts, g_cs), g_c, d_plain
+        return d_pieces, _consts_cotangent(consts, g_cs), g_c, d_plain, d_states
 
 
 @dataclasses.dataclass(frozen=True)

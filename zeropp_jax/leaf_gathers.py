@@ -45,25 +45,31 @@ def residuals_per_leaf(
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["key", "ref"],
+    data_fields=["key", "ref", "residuals"],
     meta_fields=["layout", "num_devices"],
 )
 @dataclasses.dataclass(frozen=True)
-class Fixed:
-    """What one leaf's gathers and gradient reduction read beside its piece, never
-    differentiated: a pytree of traced values the interpreter passes along explicitly.
+class LeafState:
+    """What one leaf's gathers and gradient reduction read beside its piece: a pytree of
+    traced values the interpreter passes along explicitly.
+
+    Only the residuals are differentiated: their cotangent is the new residuals
+    (`cotangent`); the key and reference get zero cotangents.
 
     Attributes:
       key: the leaf's stochastic-rounding key this step, or None (rounding to nearest).
       ref: the leaf's weight-delta reference, per device (`(num_nodes * padded / N,)`,
         see `zeropp_jax.delta`), or None without weight deltas.
-      layout: the layout `ref` is in: the leaf's stored one, or the stack's after a
-        relayout (`relaid`).
+      residuals: the leaf's error-feedback residuals `(hop1, hop2)` (either None where
+        absent; per-device pieces of the whole leaf, like `ref`), or `()` without.
+      layout: the layout `ref` and `residuals` are in: the leaf's stored one, or the
+        stack's after a relayout (`relaid`).
       num_devices: data-parallel devices.
     """
 
     key: Any
     ref: jax.Array | None
+    residuals: weight_gather.Residuals
     layout: part.LeafLayout
     num_devices: int
 
@@ -73,25 +79,44 @@ class Fixed:
         communication: a loop computes it again where needed rather than keeping it)."""
         return self.ref is not None
 
-    def layer(self, i: Any) -> Fixed:
-        """What the gather of layer `i` (traced; along axis 0 of the stack `layout`
-        describes) reads: the reference cut to that layer's pieces; the key as is (the
-        reduction folds the layer in)."""
-        if self.ref is None:
-            return self
+    def layer(self, i: Any) -> LeafState:
+        """What the gather and reduction of layer `i` (traced; along axis 0 of the stack
+        `layout` describes) read: the reference and residuals cut to that layer's pieces
+        (`partition.layer_of_pieces`); the key as is (the reduction folds the layer in)."""
         piece = self.layout.padded // self.num_devices
+
+        def cut(x: jax.Array) -> jax.Array:
+            return part.layer_of_pieces(x, self.layout.lead, piece, i)
+
+        ref = None if self.ref is None else cut(self.ref)
         return dataclasses.replace(
-            self, ref=part.layer_of_pieces(self.ref, self.layout.lead, piece, i)
+            self, ref=ref, residuals=jax.tree_util.tree_map(cut, self.residuals)
         )
 
-    def relaid(self, axis: int) -> Fixed:
+    def relaid(self, axis: int) -> LeafState:
         """Re-laid out as `relayout.layers_to_front` does the leaf's shard for a scan over
-        `axis`."""
+        `axis`.
+
+        Raises:
+          ValueError: for a leaf with residuals (their new values would need the same
+            all-to-all back; the interpreter gathers such a leaf whole instead).
+        """
+        if self.residuals:
+            raise ValueError(
+                f"LeafState.relaid(axis={axis}): a leaf with error-feedback residuals cannot "
+                "be re-laid out; gather it whole (a scan over its axis 0 needs no relayout)."
+            )
         layout = relayout.layout(self.layout, axis, self.num_devices)
         if self.ref is None:
             return dataclasses.replace(self, layout=layout)
         ref = relayout.reference_to_front(self.ref, self.layout, axis)
         return dataclasses.replace(self, ref=ref, layout=layout)
+
+    def cotangent(self, residuals: weight_gather.Residuals) -> LeafState:
+        """The state's cotangent for a gradient reduction that returned `residuals`: zero
+        for the key and reference, `residuals` (the new ones) for the residuals."""
+        key, ref = jax.tree_util.tree_map(dataflow.zero_cotangent, (self.key, self.ref))
+        return dataclasses.replace(self, key=key, ref=ref, residuals=residuals)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +131,7 @@ class LeafGathers:
       num_devices: data-parallel devices of the mesh (`node` x `local`).
       check_vma: whether the island checks varying axes (tensor-parallel leaves run their
         collectives in a nested shard_map over `model` that checks alike).
-      keys: per leaf, its stochastic-rounding key or None (traced).
-      refs: per leaf, its weight-delta reference or None (traced).
-      res: per leaf, its error-feedback residuals or `()` (traced).
+      states: per leaf, its `LeafState` (traced).
     """
 
     layouts: tuple[part.LeafLayout, ...]
@@ -116,9 +139,7 @@ class LeafGathers:
     spec: weight_gather.GatherSpec
     num_devices: int
     check_vma: bool
-    keys: tuple[Any, ...]
-    refs: tuple[Any, ...]
-    res: tuple[Any, ...]
+    states: tuple[LeafState, ...]
 
     def layout(self, leaf: int) -> part.LeafLayout:
         return self.layouts[leaf]
@@ -126,11 +147,8 @@ class LeafGathers:
     def name(self, leaf: int) -> str:
         return self.names[leaf]
 
-    def fixed(self, leaf: int) -> Fixed:
-        return Fixed(self.keys[leaf], self.refs[leaf], self.layouts[leaf], self.num_devices)
-
-    def residuals(self, leaf: int) -> Any:
-        return self.res[leaf]
+    def state(self, leaf: int) -> LeafState:
+        return self.states[leaf]
 
     def _per_rank(self, leaf: int, fn: Any, split: tuple, shared: tuple) -> Any:
         """`fn(*split, *shared)`, once per `model` rank for a tensor-parallel leaf (its
@@ -139,8 +157,8 @@ class LeafGathers:
             return fn(*split, *shared)
         return tensor_parallel.per_model_rank(fn, split, shared, self.check_vma)
 
-    def wire(self, leaf: int, piece: jax.Array, fixed: Fixed) -> tuple[jax.Array, ...]:
-        ref = fixed.ref
+    def wire(self, leaf: int, piece: jax.Array, state: LeafState) -> tuple[jax.Array, ...]:
+        ref = state.ref
         if ref is None:
             if not self.layouts[leaf].tensor_parallel:
                 return weight_gather.secondary_wire(piece, self.spec)
@@ -157,7 +175,7 @@ class LeafGathers:
         leaf: int,
         piece: jax.Array,
         wire: tuple[jax.Array, ...],
-        fixed: Fixed,
+        state: LeafState,
         alternate: bool,
     ) -> jax.Array:
         def fn(p, w):
@@ -166,9 +184,9 @@ class LeafGathers:
         return self._per_rank(leaf, fn, (piece, wire), ())
 
     def reduce(
-        self, leaf: int, g: jax.Array, fixed: Fixed, residuals: Any, layer: jax.Array | None
-    ) -> tuple[jax.Array, Any]:
-        key = fixed.key
+        self, leaf: int, g: jax.Array, state: LeafState, layer: jax.Array | None
+    ) -> tuple[jax.Array, weight_gather.Residuals]:
+        key = state.key
         if key is not None and layer is not None:
             key = jax.random.fold_in(key, layer)
         if self.layouts[leaf].tensor_parallel:
@@ -178,10 +196,10 @@ class LeafGathers:
                 return weight_gather.reduce_gradient(g, self.spec, key)[0]
 
             return self._per_rank(leaf, fn, (g,), (key,)), ()
-        return weight_gather.reduce_gradient(g, self.spec, key, residuals or ())
+        return weight_gather.reduce_gradient(g, self.spec, key, state.residuals)
 
     def full(
-        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], fixed: Fixed, residuals: Any
+        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], state: LeafState
     ) -> jax.Array:
         if self.layouts[leaf].tensor_parallel:
 
@@ -189,5 +207,5 @@ class LeafGathers:
                 key = reductions.model_rank_key(key, axis_name=part.MODEL_AXIS)
                 return weight_gather.gather_from_wire(p, w, self.spec, key)
 
-            return self._per_rank(leaf, fn, (piece, wire), (fixed.key,))
-        return weight_gather.gather_from_wire(piece, wire, self.spec, fixed.key, residuals or ())
+            return self._per_rank(leaf, fn, (piece, wire), (state.key,))
+        return weight_gather.gather_from_wire(piece, wire, self.spec, state.key, state.residuals)

@@ -274,10 +274,10 @@ def _at_use(
             merged[i] = w
         return jaxpr_compat.bind(eqn, merged)
 
-    def flats(pieces, wires, fixed, alternate):
+    def flats(pieces, wires, states, alternate):
         return [
-            g.gather(leaf, p, w, f, alternate)
-            for leaf, p, w, f in zip(leaves, pieces, wires, fixed, strict=True)
+            g.gather(leaf, p, w, s, alternate)
+            for leaf, p, w, s in zip(leaves, pieces, wires, states, strict=True)
         ]
 
     def full(flat):
@@ -288,40 +288,37 @@ def _at_use(
 
     keep = use_vjp.keeps_residuals(run_eqn, acts, [lz.aval for lz in lazies], _shard_bytes(lazies))
 
-    def forward(pieces, acts, fixed, tie):
+    def forward(pieces, acts, states, tie):
         pieces = dataflow.tie(tie, pieces)
-        wires = [g.wire(leaf, p, f) for leaf, p, f in zip(leaves, pieces, fixed, strict=True)]
-        return flats(pieces, wires, fixed, False), (pieces, wires)
+        wires = [g.wire(leaf, p, s) for leaf, p, s in zip(leaves, pieces, states, strict=True)]
+        return flats(pieces, wires, states, False), (pieces, wires)
 
     @jax.custom_vjp
-    def use(pieces, res, acts, fixed, tie):
-        return run_flat(acts, forward(pieces, acts, fixed, tie)[0])
+    def use(pieces, acts, states, tie):
+        return run_flat(acts, forward(pieces, acts, states, tie)[0])
 
-    def use_fwd(pieces, res, acts, fixed, tie):
-        flat, (pieces, wires) = forward(pieces, acts, fixed, tie)
+    def use_fwd(pieces, acts, states, tie):
+        flat, (pieces, wires) = forward(pieces, acts, states, tie)
         if not keep:
-            return run_flat(acts, flat), (pieces, wires, res, acts, fixed, tie, None)
+            return run_flat(acts, flat), (pieces, wires, acts, states, tie, None)
         out, vjp = use_vjp.forward(run_eqn, acts, full(flat))
-        return out, (pieces, wires, res, acts, fixed, tie, vjp)
+        return out, (pieces, wires, acts, states, tie, vjp)
 
     def use_bwd(saved, cts):
-        pieces, wires, res, acts, fixed, tie, vjp = saved
+        pieces, wires, acts, states, tie, vjp = saved
         pieces, wires = dataflow.tie(cts, dataflow.tie(acts, (pieces, wires)))
-        d_acts, d_flat = _pull(run_eqn, full, vjp, acts, flats(pieces, wires, fixed, True), cts)
-        d_pieces, d_res = [], []
-        for leaf, dw, f, r in zip(leaves, d_flat, fixed, res, strict=True):
-            dp, nr = g.reduce(leaf, dw, f, r, None)
+        d_acts, d_flat = _pull(run_eqn, full, vjp, acts, flats(pieces, wires, states, True), cts)
+        d_pieces, d_states = [], []
+        for leaf, dw, s in zip(leaves, d_flat, states, strict=True):
+            dp, new_residuals = g.reduce(leaf, dw, s, None)
             d_pieces.append(dp)
-            d_res.append(nr)
+            d_states.append(s.cotangent(new_residuals))
         d_tie = None if tie is None else dataflow.zero_cotangent(tie)
-        fixed_ct = jax.tree_util.tree_map(dataflow.zero_cotangent, fixed)
-        return d_pieces, d_res, list(d_acts), fixed_ct, d_tie
+        return d_pieces, list(d_acts), d_states, d_tie
 
     use.defvjp(use_fwd, use_bwd)
     pieces = [part.piece(lz.shard, g.layout(lz.leaf)) for lz in lazies]
-    res = [g.residuals(leaf) for leaf in leaves]
-    fixed = [g.fixed(leaf) for leaf in leaves]
-    return use(pieces, res, acts, fixed, tie)
+    return use(pieces, acts, [g.state(leaf) for leaf in leaves], tie)
 
 
 # ----------------------------------------------------------------------------- shared use
@@ -336,11 +333,11 @@ def _shared(
     names the gather's ops (the ledger shows them under it)."""
     g = ctx.gathers
     if lz.leaf not in ctx.shared:
-        fixed, res = g.fixed(lz.leaf), g.residuals(lz.leaf)
+        state = g.state(lz.leaf)
         with jax.named_scope(scope) if scope else contextlib.nullcontext():
             piece = dataflow.tie(ctx.tie, part.piece(lz.shard, g.layout(lz.leaf)))
-            wire = g.wire(lz.leaf, piece, fixed)
-            flat = g.full(lz.leaf, piece, wire, fixed, res)
+            wire = g.wire(lz.leaf, piece, state)
+            flat = g.full(lz.leaf, piece, wire, state)
         ctx.shared[lz.leaf] = (flat, wire, lax.stop_gradient(piece))
     return ctx.shared[lz.leaf]
 
@@ -362,7 +359,8 @@ def _at_shared_use(
     flats = [f for f, _, _ in got]
     wires = [lax.stop_gradient(w) for _, w, _ in got]
     pieces = [p for _, _, p in got]
-    fixed = [g.fixed(leaf) for leaf in leaves]
+    # The shared gather reduces with the leaf's residuals; a use (reduced per use) without.
+    states = [dataclasses.replace(g.state(leaf), residuals=()) for leaf in leaves]
     per_use = [leaf in ctx.per_use for leaf in leaves]
     flats = [lax.stop_gradient(f) if u else f for f, u in zip(flats, per_use, strict=True)]
     own = [
@@ -389,33 +387,33 @@ def _at_shared_use(
     keep = use_vjp.keeps_residuals(run_eqn, acts, [lz.aval for lz in lazies], _shard_bytes(lazies))
 
     @jax.custom_vjp
-    def use(own, flats, acts, wires, pieces, fixed):
+    def use(own, flats, acts, wires, pieces, states):
         return run_eqn(acts, full(flats))
 
-    def use_fwd(own, flats, acts, wires, pieces, fixed):
+    def use_fwd(own, flats, acts, wires, pieces, states):
         if not keep:
-            return run_eqn(acts, full(flats)), (acts, wires, pieces, fixed, None)
+            return run_eqn(acts, full(flats)), (acts, wires, pieces, states, None)
         out, vjp = use_vjp.forward(run_eqn, acts, full(flats))
-        return out, (acts, wires, pieces, fixed, vjp)
+        return out, (acts, wires, pieces, states, vjp)
 
     def use_bwd(saved, cts):
-        acts, wires, pieces, fixed, vjp = saved
+        acts, wires, pieces, states, vjp = saved
         pieces, wires = dataflow.tie(cts, dataflow.tie(acts, (pieces, wires)))
         again = [
-            g.gather(leaf, p, w, f, True)
-            for leaf, p, w, f in zip(leaves, pieces, wires, fixed, strict=True)
+            g.gather(leaf, p, w, s, True)
+            for leaf, p, w, s in zip(leaves, pieces, wires, states, strict=True)
         ]
         d_acts, d_flat = _pull(run_eqn, full, vjp, acts, again, cts)
         zero = functools.partial(jax.tree_util.tree_map, dataflow.zero_cotangent)
         d_own = [
-            g.reduce(leaf, dw, f, (), jnp.int32(n))[0] if u else None
-            for leaf, dw, f, n, u in zip(leaves, d_flat, fixed, nth, per_use, strict=True)
+            g.reduce(leaf, dw, s, jnp.int32(n))[0] if u else None
+            for leaf, dw, s, n, u in zip(leaves, d_flat, states, nth, per_use, strict=True)
         ]
         d_shared = [zero(dw) if u else dw for dw, u in zip(d_flat, per_use, strict=True)]
-        return d_own, d_shared, list(d_acts), zero(wires), zero(pieces), zero(fixed)
+        return d_own, d_shared, list(d_acts), zero(wires), zero(pieces), zero(states)
 
     use.defvjp(use_fwd, use_bwd)
-    return use(own, flats, acts, wires, pieces, fixed)
+    return use(own, flats, acts, wires, pieces, states)
 
 
 # ----------------------------------------------------------------------------- scans
@@ -461,10 +459,10 @@ def _place_scan(
         if not lo.stacked:
             # Per-layer vectors (biases, norm scales) are small: gathered whole, before the loop.
             xs[i] = _materialize(ctx, x, None)
-        elif view.axis != 0 and (lo.tensor_parallel or g.residuals(x.leaf)):
+        elif view.axis != 0 and (lo.tensor_parallel or g.state(x.leaf).residuals):
             # Re-laid out, a layer's residuals would need the same all-to-all, both ways.
             return None
-        elif g.residuals(x.leaf) and sorted(view.layers(length)) != list(range(lo.shape[0])):
+        elif g.state(x.leaf).residuals and sorted(view.layers(length)) != list(range(lo.shape[0])):
             # Every layer's residual is sent once per step, also for a layer the scan skips.
             return None
         else:
@@ -478,14 +476,14 @@ def _place_scan(
     tie = dataflow.first_array(init) if ctx.tie is None or not ctx.prefetch else ctx.tie
     first = dataflow.first_array(init)
     ctx.tie = ctx.tie if first is None else first
-    layouts, stacks, stored, fixed = [], [], [], []
+    layouts, stacks, stored, states = [], [], [], []
     for i, view in zip(matrices, views, strict=True):
         lz, lo = xs[i], g.layout(xs[i].leaf)
         stack = lz.shard
-        fixed.append(g.fixed(lz.leaf))
+        states.append(g.state(lz.leaf))
         if view.axis != 0:
             stack = relayout.layers_to_front(stack, lo, view.axis)
-            fixed[-1] = fixed[-1].relaid(view.axis)
+            states[-1] = states[-1].relaid(view.axis)
             lo = relayout.layout(lo, view.axis, g.num_devices)
         layers = view.layers(length)
         if layers != list(range(lo.shape[0])):
@@ -512,9 +510,8 @@ def _place_scan(
         list(consts),
         list(init),
         [xs[i] for i in plain_pos],
-        fixed,
+        states,
         tie,
-        [g.residuals(xs[i].leaf) for i in matrices],
     )
     return _unreversed(outs, nk) if scan.reverse else outs
 
