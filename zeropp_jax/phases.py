@@ -5,7 +5,9 @@ optimizer update's named scope (`optimizer_view.UPDATE_SCOPE`), `'backward'` whe
 a `transpose(...)` (reverse-mode AD, including a `custom_vjp` backward rule) or a
 `rematted_computation` (recomputation under `jax.checkpoint`), else `'forward'`. Loops are
 matched across the lowered, partitioned and compiled programs by their source location and
-phase (`LoopKey`).
+phase (`LoopKey`); only loops that hold a collective are counted: a loop the backward pass
+makes inside a `custom_vjp` rule (a quantizer's sum over its sources) carries the forward
+call site's location, the same as the layer loop around it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from zeropp_jax.hlo_text import (
+    COLLECTIVE_OPS,
     CallPath,
     HloModule,
     Location,
@@ -61,28 +64,58 @@ def loop_phase(
     return {phase_of([*path_names(path), loop.op_name]) for path in chains}
 
 
+def collective_loops(module: HloModule) -> set[str]:
+    """Names of the `while` instructions whose body holds a collective, directly or through
+    the computations it calls (a collective's reducer does not count): the loops whose trip
+    counts a ledger needs."""
+    holding: set[str] = set()
+    changed = True
+    while changed:  # a fixpoint over the call graph (at most one pass per nesting level)
+        changed = False
+        for comp, instructions in module.computations.items():
+            if comp in holding:
+                continue
+            for ins in instructions:
+                op = ins.opcode.removesuffix("-start")
+                if op in COLLECTIVE_OPS or any(c in holding for c in ins.called()):
+                    holding.add(comp)
+                    changed = True
+                    break
+    return {
+        ins.name
+        for instructions in module.computations.values()
+        for ins in instructions
+        if ins.opcode == "while" and (ins.attr("body") or "").lstrip("%") in holding
+    }
+
+
 def compiled_trip_counts(module: HloModule) -> dict[LoopKey, set[int]]:
-    """`known_trip_count` of each `while` in compiled HLO, keyed by (source location, phase)."""
+    """`known_trip_count` of each `while` in compiled HLO that holds a collective, keyed by
+    (source location, phase)."""
     out: dict[LoopKey, set[int]] = collections.defaultdict(set)
     paths = call_paths(module)
     where = {
         ins.name: comp for comp, instructions in module.computations.items() for ins in instructions
     }
+    loops = collective_loops(module)
     for ins, count in known_trip_counts(module):
+        if ins.name not in loops:
+            continue
         for phase in loop_phase(module, paths, where[ins.name], ins):
             out[(module.locations.get(ins.frame), phase)].add(count)
     return dict(out)
 
 
 def lowered_trip_counts(lowered: Any) -> dict[LoopKey, set[int]]:
-    """The trip count of each `lax.scan` / static loop of the lowered program, keyed by
-    (source location, phase), for the same loops after partitioning."""
+    """The trip count of each `lax.scan` / static loop of the lowered program that holds a
+    collective, keyed by (source location, phase), for the same loops after partitioning."""
     module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
     out: dict[LoopKey, set[int]] = collections.defaultdict(set)
     paths = call_paths(module)
+    loops = collective_loops(module)
     for comp, instructions in module.computations.items():
         for ins in instructions:
-            if ins.opcode == "while":
+            if ins.name in loops:
                 count = scan_trip_count(module, ins, comp)
                 if count is not None:
                     for phase in loop_phase(module, paths, comp, ins):
