@@ -25,7 +25,9 @@ class Gathers(Protocol):
     `relayout.layers_to_front` does the leaf's shard; `.has_reference`, whether `wire`
     reads a kept reference (no communication, so a loop computes it again where needed
     rather than keeping it); `.residuals`, empty without error feedback. Only the
-    residuals are differentiated: `reduce` returns `(gradient piece, new residuals)`, and
+    residuals are differentiated: `reduce` takes the gradients of several leaves at once
+    (a layer's, or one use's: it may reduce them together, `weight_gather.reduce_gradients`)
+    and returns `(gradient piece, new residuals)` for each, and
     `.cotangent(new)` is the state's cotangent that carries them out of the island.
 
     `reduce`'s `layer` is folded into the leaf's stochastic-rounding key (a scan's layer
@@ -42,8 +44,12 @@ class Gathers(Protocol):
         self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], state: Any, alternate: bool
     ) -> jax.Array: ...
     def reduce(
-        self, leaf: int, g: jax.Array, state: Any, layer: jax.Array | None
-    ) -> tuple[jax.Array, Any]: ...
+        self,
+        leaves: Sequence[int],
+        gs: Sequence[jax.Array],
+        states: Sequence[Any],
+        layer: jax.Array | None,
+    ) -> list[tuple[jax.Array, Any]]: ...
     def full(
         self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], state: Any
     ) -> jax.Array: ...

@@ -301,10 +301,7 @@ class _Run:
                 vjp, weights, consts, x_plain, g_c, _take(g_ys, i)
             )
             (d_flats,) = pull_weights(d_pre)
-            reduced = [
-                g.reduce(leaf, d, s, i)
-                for leaf, d, s in zip(loop.leaves, d_flats, loop.states_at(states, i), strict=True)
-            ]
+            reduced = g.reduce(loop.leaves, d_flats, loop.states_at(states, i), i)
             g_cs = [a + b for a, b in zip(g_cs, _inexact(consts, d_consts), strict=True)]
             d_plain = [d if fl else None for d, fl in zip(d_plain, floats, strict=True)]
             d_layers = [

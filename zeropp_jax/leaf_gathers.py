@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -184,19 +185,39 @@ class LeafGathers:
         return self._per_rank(leaf, fn, (piece, wire), ())
 
     def reduce(
-        self, leaf: int, g: jax.Array, state: LeafState, layer: jax.Array | None
-    ) -> tuple[jax.Array, weight_gather.Residuals]:
-        key = state.key
-        if key is not None and layer is not None:
-            key = jax.random.fold_in(key, layer)
-        if self.layouts[leaf].tensor_parallel:
+        self,
+        leaves: Sequence[int],
+        gs: Sequence[jax.Array],
+        states: Sequence[LeafState],
+        layer: jax.Array | None,
+    ) -> list[tuple[jax.Array, weight_gather.Residuals]]:
+        keys = [
+            jax.random.fold_in(s.key, layer) if s.key is not None and layer is not None else s.key
+            for s in states
+        ]
+        split = [self.layouts[leaf].tensor_parallel for leaf in leaves]
+        plain = [k for k, tp in enumerate(split) if not tp]
+        reduced = iter(
+            weight_gather.reduce_gradients(
+                [gs[k] for k in plain],
+                self.spec,
+                [keys[k] for k in plain],
+                [states[k].residuals for k in plain],
+                self.num_devices,
+            )
+        )
 
+        def per_rank(leaf, g, key):
             def fn(g, key):
                 key = reductions.model_rank_key(key, axis_name=part.MODEL_AXIS)
                 return weight_gather.reduce_gradient(g, self.spec, key)[0]
 
             return self._per_rank(leaf, fn, (g,), (key,)), ()
-        return weight_gather.reduce_gradient(g, self.spec, key, state.residuals)
+
+        return [
+            per_rank(leaf, g, key) if tp else next(reduced)
+            for leaf, g, key, tp in zip(leaves, gs, keys, split, strict=True)
+        ]
 
     def full(
         self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], state: LeafState

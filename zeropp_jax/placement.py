@@ -309,8 +309,9 @@ def _at_use(
         pieces, wires = dataflow.tie(cts, dataflow.tie(acts, (pieces, wires)))
         d_acts, d_flat = _pull(run_eqn, full, vjp, acts, flats(pieces, wires, states, True), cts)
         d_pieces, d_states = [], []
-        for leaf, dw, s in zip(leaves, d_flat, states, strict=True):
-            dp, new_residuals = g.reduce(leaf, dw, s, None)
+        for s, (dp, new_residuals) in zip(
+            states, g.reduce(leaves, d_flat, states, None), strict=True
+        ):
             d_pieces.append(dp)
             d_states.append(s.cotangent(new_residuals))
         d_tie = None if tie is None else dataflow.zero_cotangent(tie)
@@ -406,7 +407,7 @@ def _at_shared_use(
         d_acts, d_flat = _pull(run_eqn, full, vjp, acts, again, cts)
         zero = functools.partial(jax.tree_util.tree_map, dataflow.zero_cotangent)
         d_own = [
-            g.reduce(leaf, dw, s, jnp.int32(n))[0] if u else None
+            g.reduce([leaf], [dw], [s], jnp.int32(n))[0][0] if u else None
             for leaf, dw, s, n, u in zip(leaves, d_flat, states, nth, per_use, strict=True)
         ]
         d_shared = [zero(dw) if u else dw for dw, u in zip(d_flat, per_use, strict=True)]

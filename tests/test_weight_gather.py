@@ -1,0 +1,136 @@
+"""Bucketed gradient reductions (`zeropp_jax.weight_gather.reduce_gradients`): the gradients
+that fill whole quantization blocks share one reduction, bit for bit what each gets alone."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax import make_mesh
+from zeropp_jax import weight_gather as W
+from zeropp_jax.hlo_text import parse_hlo_module
+
+N = 8
+SPECS = {  # name: (GatherSpec fields, the collective each reduction runs)
+    "zeropp int8, int4, rotated": (
+        dict(
+            grad_bits=8,
+            grad_hop2_bits=4,
+            two_hop=True,
+            grad_rotation_block_size=16,
+            grad_hop2_rotation_block_size=16,
+        ),
+        "all-to-all",
+    ),
+    "zero3 bf16 ring": (dict(grad_bits=None, grad_hop2_bits=None, two_hop=False), "collective"),
+}
+
+
+def _spec(fields):
+    return W.GatherSpec(
+        hierarchical=fields["two_hop"],
+        weight_bits=None,
+        weight_block_size=32,
+        weight_stage2_bits=None,
+        grad_block_size=32,
+        grad_hop2_block_size=64,
+        dtype=jnp.dtype(jnp.bfloat16),
+        **fields,
+    )
+
+
+def _gradients():
+    """Per device, full-size: three that fill whole blocks of both hops (pieces of 64, 128
+    and 192 values), one that does not (a piece of 6) and one float32 (its own bucket of
+    one)."""
+    shapes = [((N * 4, 16), jnp.bfloat16), ((N * 2, 64), jnp.bfloat16), ((N * 6, 32), jnp.bfloat16)]
+    shapes += [((N * 3, 2), jnp.bfloat16), ((N * 8, 8), jnp.float32)]
+    rng = np.random.default_rng(0)
+    return [
+        jnp.asarray(rng.normal(size=(N, *s)) * (1 + 9 * (i % 2)), d)  # device d's gradient at d
+        for i, (s, d) in enumerate(shapes)
+    ]
+
+
+def _reduce(spec, gs, bucketed):
+    mesh = make_mesh(2, 4)
+
+    def island(*gs):
+        gs = [g[0] for g in gs]
+        if bucketed:
+            out = W.reduce_gradients(gs, spec, [None] * len(gs), [()] * len(gs), N)
+        else:
+            out = [W.reduce_gradient(g, spec) for g in gs]
+        return tuple(dx for dx, _ in out)
+
+    f = jax.jit(
+        jax.shard_map(
+            island,
+            mesh=mesh,
+            in_specs=tuple(P(("node", "local")) for _ in gs),
+            out_specs=tuple(P(("local", "node")) for _ in gs),
+        )
+    )
+    return f(*gs), f.lower(*gs).as_text(dialect="hlo")
+
+
+def _collectives(text):
+    module = parse_hlo_module(text)
+    return collections.Counter(
+        i.opcode
+        for comp in module.computations.values()
+        for i in comp
+        if i.opcode in ("all-to-all", "collective-permute", "reduce-scatter", "all-reduce")
+    )
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_bucketed_reduction_is_bit_identical_in_fewer_collectives(name):
+    fields, op = SPECS[name]
+    spec = _spec(fields)
+    gs = _gradients()
+    alone, alone_text = _reduce(spec, gs, bucketed=False)
+    together, together_text = _reduce(spec, gs, bucketed=True)
+    for a, b in zip(alone, together, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    before, after = _collectives(alone_text), _collectives(together_text)
+    # The three block-filling bf16 gradients share one reduction: two fewer of each.
+    assert sum(after.values()) < sum(before.values())
+    if op == "all-to-all":
+        assert after["all-to-all"] == before["all-to-all"] * 3 // 5
+
+
+def test_keys_residuals_and_lone_gradients_are_reduced_alone(monkeypatch):
+    """A gradient with a stochastic-rounding key or error-feedback residuals is reduced on
+    its own; so is the only member of its bucket."""
+    spec = _spec(SPECS["zeropp int8, int4, rotated"][0])
+    calls = []
+    real = W.reduce_gradient
+    monkeypatch.setattr(
+        W, "reduce_gradient", lambda g, *a, **k: calls.append(g.shape) or real(g, *a, **k)
+    )
+    mesh = make_mesh(2, 4)
+    g = jnp.ones((N, N * 4, 16), jnp.bfloat16)
+    res = (jnp.zeros((N, N * 4, 16), jnp.float32), jnp.zeros((N, 2 * 4, 16), jnp.float32))
+
+    def run(keyed, with_residuals):
+        def island(g, r1, r2):
+            key = jax.random.key(0) if keyed else None
+            residuals = [((r1[0], r2[0]) if with_residuals else ()), (), ()]
+            out = W.reduce_gradients([g[0]] * 3, spec, [key, None, None], residuals, N)
+            return out[0][0]
+
+        calls.clear()
+        f = jax.shard_map(
+            island, mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("local", "node"))
+        )
+        jax.eval_shape(f, g, *res)  # traced only: which reductions it asks for
+        return calls
+
+    assert run(False, False) == [(N * 3 * 64,)]  # one bucket of the three, flattened
+    assert run(True, False) == [(N * 2 * 64,), (N * 4, 16)]  # the keyed one alone
+    assert run(False, True) == [(N * 2 * 64,), (N * 4, 16)]  # the one with residuals alone
