@@ -167,12 +167,20 @@ def _figure(rows: list[dict], path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, len(meshes), figsize=(6 * len(meshes), 4.2), squeeze=False)
     for ax, mesh in zip(axes[0], meshes, strict=True):
         sizes = list(dict.fromkeys(r["model"] for r in rows if r["mesh"] == mesh))
-        width = 0.8 / len(ENGINES)
-        for k, engine in enumerate(ENGINES):
+        engines = [e for e in ENGINES if any(r["engine"] == e for r in rows if r["mesh"] == mesh)]
+        width = 0.8 / len(engines)
+        for k, engine in enumerate(engines):  # only the engines measured; a gap where missing
             got = {r["model"]: r for r in rows if r["mesh"] == mesh and r["engine"] == engine}
-            xs = [i + (k - (len(ENGINES) - 1) / 2) * width for i in range(len(sizes))]
-            ax.bar(xs, [got[s]["total_GB"] for s in sizes], width, label=engine)
-            ax.scatter(xs, [got[s]["estimate_GB"] for s in sizes], marker="_", color="k", s=80)
+            xs = [i + (k - (len(engines) - 1) / 2) * width for i in range(len(sizes))]
+            here = [(x, got[s]) for x, s in zip(xs, sizes, strict=True) if s in got]
+            ax.bar([x for x, _ in here], [r["total_GB"] for _, r in here], width, label=engine)
+            ax.scatter(
+                [x for x, _ in here],
+                [r["estimate_GB"] for _, r in here],
+                marker="_",
+                color="k",
+                s=80,
+            )
         ax.set_yscale("log")
         ax.set_xticks(range(len(sizes)), sizes)
         ax.set_ylabel("GB per device (XLA memory analysis)")
