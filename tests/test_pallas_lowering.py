@@ -11,7 +11,6 @@ PTX and the numbers on a GPU: that is `experiments/gpu_kernels.py`.
 
 from __future__ import annotations
 
-import collections
 import re
 
 import jax
@@ -241,10 +240,7 @@ def test_compiled_kernels_refuse_block_sizes_that_are_not_powers_of_two():
 
 def test_gpt_step_lowers_for_cuda_and_sends_what_the_xla_step_sends(monkeypatch):
     """The trainer's byte-level GPT (attention, LayerNorm, tied embedding), ZeRO++ default:
-    the step `zeropp-train` runs on a GPU lowers for CUDA with the same ledger: the same
-    collectives, each with its bytes, phase, trip count and op name. Compared as multisets:
-    the XLA codec sums a reduction's sources in a loop (`quant.fold_left`), and JAX's
-    transpose emits some of the backward's collectives in another order around it."""
+    the step `zeropp-train` runs on a GPU lowers for CUDA with the same ledger."""
     import test_engine_gpt as gpt
 
     mesh = zpp.make_mesh(2, 4)
@@ -261,6 +257,5 @@ def test_gpt_step_lowers_for_cuda_and_sends_what_the_xla_step_sends(monkeypatch)
     cuda = _CudaLowering(step)
     got = zpp.comm_ledger(cuda, gpt.make_state(pallas, mesh, tx), gpt.batch(0))
     assert _custom_calls(cuda.lowered.as_text()) == {TRITON}
-    assert len(got.records) == len(want.records) > 0
-    assert collections.Counter(got.records) == collections.Counter(want.records)
+    assert got.records == want.records
     assert got.model_bytes == want.model_bytes

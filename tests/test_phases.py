@@ -46,7 +46,7 @@ def test_a_loop_s_trip_count_in_the_lowered_and_the_compiled_program():
 
 
 def test_only_loops_that_hold_a_collective_are_counted():
-    """A loop with no collective (a quantizer's sum over its sources, which the backward
+    """A loop with no collective (a `fori_loop` in a backward rule, which the backward
     pass gives the layer loop's source location) never lends its count to a loop that
     has one."""
     quiet = _looped(3, collective=False)

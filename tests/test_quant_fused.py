@@ -103,25 +103,6 @@ def test_dequantize_sum_blocks_compiled_is_bit_exact(g, bits):
     np.testing.assert_array_equal(compiled, expected)
 
 
-@pytest.mark.parametrize("bits", [4, "e4m3"])
-def test_dequantize_sum_program_does_not_grow_with_the_group(bits):
-    """One dequantize-add in the compiled program whatever `G` (a reduction's sources):
-    unrolled per source, each leaf's two-hop reduction held 8 + 16 copies at 16 x 8 and
-    ZeRO++ compiled 4.5x slower than ZeRO-3 (experiments/results/compile_time.md)."""
-
-    def size(g):
-        values, scales = stacked_sets(g, bits, seed=g)
-        text = dequantize_sum_blocks.lower(values, scales, bits=bits).compile().as_text()
-        return sum(1 for line in text.splitlines() if " = " in line)
-
-    assert size(16) == size(3)
-    qv, qs = stacked_sets(16, 4, seed=1)
-    np.testing.assert_array_equal(  # and the loop still sums left to right (shown above too)
-        np.asarray(dequantize_sum_blocks(qv, qs, bits=4)),
-        functools.reduce(np.add, list(np_dequantize_blocks(qv, qs, 4))),
-    )
-
-
 def test_max_scale_keeps_qmax_times_scale_finite():
     """The cap is a 16-bit float whose product with qmax is finite, and the next 16-bit
     float up is not; a block at the float32 maximum gets it as its scale."""

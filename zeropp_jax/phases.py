@@ -5,9 +5,9 @@ optimizer update's named scope (`optimizer_view.UPDATE_SCOPE`), `'backward'` whe
 a `transpose(...)` (reverse-mode AD, including a `custom_vjp` backward rule) or a
 `rematted_computation` (recomputation under `jax.checkpoint`), else `'forward'`. Loops are
 matched across the lowered, partitioned and compiled programs by their source location and
-phase (`LoopKey`); only loops that hold a collective are counted: a loop the backward pass
-makes inside a `custom_vjp` rule (a quantizer's sum over its sources) carries the forward
-call site's location, the same as the layer loop around it.
+phase (`LoopKey`); only loops that hold a collective are counted: a loop inside a `custom_vjp`
+backward rule carries the forward call site's location, the same as the layer loop
+around it.
 """
 
 from __future__ import annotations

