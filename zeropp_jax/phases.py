@@ -5,14 +5,13 @@ optimizer update's named scope (`optimizer_view.UPDATE_SCOPE`), `'backward'` whe
 a `transpose(...)` (reverse-mode AD, including a `custom_vjp` backward rule) or a
 `rematted_computation` (recomputation under `jax.checkpoint`), else `'forward'`. Loops are
 matched across the lowered, partitioned and compiled programs by their source location and
-phase (`LoopKey`); only loops that hold a collective are counted: a loop inside a `custom_vjp`
-backward rule carries the forward call site's location, the same as the layer loop
-around it.
+phase (`LoopKey`); where loops share a key, those that hold a collective win: a loop
+inside a `custom_vjp` backward rule carries the forward call site's location, the same as
+the layer loop around it.
 """
 
 from __future__ import annotations
 
-import collections
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -66,8 +65,7 @@ def loop_phase(
 
 def collective_loops(module: HloModule) -> set[str]:
     """Names of the `while` instructions whose body holds a collective, directly or through
-    the computations it calls (a collective's reducer does not count): the loops whose trip
-    counts a ledger needs."""
+    the computations it calls (a collective's reducer does not count)."""
     holding: set[str] = set()
     changed = True
     while changed:  # a fixpoint over the call graph (at most one pass per nesting level)
@@ -89,35 +87,48 @@ def collective_loops(module: HloModule) -> set[str]:
     }
 
 
+def _counts_by_key(found: list[tuple[LoopKey, int, bool]]) -> dict[LoopKey, set[int]]:
+    """The trip counts of the loops at each key (location, phase): of those that hold a
+    collective where any does, else of all (a loop XLA's partitioner fills with
+    collectives, e.g. XLA FSDP's layer scan, holds none as JAX wrote it)."""
+    out: dict[LoopKey, set[int]] = {}
+    for key in dict.fromkeys(k for k, _, _ in found):
+        here = [(count, holds) for k, count, holds in found if k == key]
+        holding = {count for count, holds in here if holds}
+        out[key] = holding or {count for count, _ in here}
+    return out
+
+
 def compiled_trip_counts(module: HloModule) -> dict[LoopKey, set[int]]:
-    """`known_trip_count` of each `while` in compiled HLO that holds a collective, keyed by
-    (source location, phase)."""
-    out: dict[LoopKey, set[int]] = collections.defaultdict(set)
+    """`known_trip_count` of each `while` in compiled HLO, keyed by (source location,
+    phase); at a key shared with a loop that holds a collective, only such loops count."""
     paths = call_paths(module)
     where = {
         ins.name: comp for comp, instructions in module.computations.items() for ins in instructions
     }
     loops = collective_loops(module)
-    for ins, count in known_trip_counts(module):
-        if ins.name not in loops:
-            continue
-        for phase in loop_phase(module, paths, where[ins.name], ins):
-            out[(module.locations.get(ins.frame), phase)].add(count)
-    return dict(out)
+    found = [
+        ((module.locations.get(ins.frame), phase), count, ins.name in loops)
+        for ins, count in known_trip_counts(module)
+        for phase in loop_phase(module, paths, where[ins.name], ins)
+    ]
+    return _counts_by_key(found)
 
 
 def lowered_trip_counts(lowered: Any) -> dict[LoopKey, set[int]]:
-    """The trip count of each `lax.scan` / static loop of the lowered program that holds a
-    collective, keyed by (source location, phase), for the same loops after partitioning."""
+    """The trip count of each `lax.scan` / static loop of the lowered program, keyed by
+    (source location, phase), for the same loops after partitioning; at a key shared with
+    a loop that holds a collective, only such loops count."""
     module = parse_hlo_module(lowered.as_text(dialect="hlo", debug_info=True))
-    out: dict[LoopKey, set[int]] = collections.defaultdict(set)
     paths = call_paths(module)
     loops = collective_loops(module)
+    found = []
     for comp, instructions in module.computations.items():
         for ins in instructions:
-            if ins.name in loops:
+            if ins.opcode == "while":
                 count = scan_trip_count(module, ins, comp)
                 if count is not None:
                     for phase in loop_phase(module, paths, comp, ins):
-                        out[(module.locations.get(ins.frame), phase)].add(count)
-    return dict(out)
+                        key = (module.locations.get(ins.frame), phase)
+                        found.append((key, count, ins.name in loops))
+    return _counts_by_key(found)
