@@ -38,7 +38,7 @@ def machine_line() -> str:
     and the package versions: the head of every output."""
     import jax
 
-    from zeropp_jax.provenance import package_versions
+    from zeropp_jax.measure._provenance import package_versions
 
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     packages = ", ".join(f"{k} {v}" for k, v in package_versions().items() if k != "jax")
@@ -51,7 +51,7 @@ def machine_line() -> str:
 
 def source_version() -> str:
     """`commit <short hash>`, plus the paths that differ from it when the tree is dirty."""
-    from zeropp_jax.provenance import describe, provenance
+    from zeropp_jax.measure._provenance import describe, provenance
 
     return describe(provenance())
 

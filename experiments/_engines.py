@@ -259,7 +259,7 @@ def _build_xla(engine, apply_fn, params, tx, mesh, overrides, abstract, donate):
     from jax.sharding import PartitionSpec as P
 
     from zeropp_jax import baselines
-    from zeropp_jax.partition import BATCH_SPEC
+    from zeropp_jax.state._partition import BATCH_SPEC
 
     state = baselines.xla_fsdp_state(
         apply_fn=apply_fn, params=params, tx=tx, mesh=mesh, abstract=abstract, **overrides

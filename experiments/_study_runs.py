@@ -2,7 +2,7 @@
 one process each (or in this one) and reading back what they wrote.
 
 A run whose folder already holds a finished run of the same command, run by the same code
-(`zeropp_jax.provenance.same_code`), is reused, not trained again. The convergence study
+(`zeropp_jax.measure._provenance.same_code`), is reused, not trained again. The convergence study
 (`convergence.py`), `muon_e2e.py` and `beyond_bytes.py` run their variants through it.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import _common
 
-from zeropp_jax.provenance import describe, provenance, same_code
+from zeropp_jax.measure._provenance import describe, provenance, same_code
 
 CODE = provenance()
 """The code of this process: a finished run is reused only if it ran the same."""

@@ -12,7 +12,7 @@ takes before the loss moves.
 (times on 2 shared CPU cores). `--seed`, `--variants`, `--ks`, `--events-bits` and
 `--steps` change the study; a run whose folder already holds a finished run of the same
 command, run by the same code (one clean commit and the same package versions, from the
-run's `run.json`; see `zeropp_jax.provenance.same_code`), is reused, not trained again.
+run's `run.json`; see `zeropp_jax.measure._provenance.same_code`), is reused, not trained again.
 
 `--study main` trains the trainer's byte-level GPT (`zeropp-train`) on the Python standard
 library once per variant, all with the same seed, data order and validation batches:

@@ -22,7 +22,7 @@ Shards are `(common + own_k) / sqrt(2)`: a signal shared by all workers plus a w
 own noise of the same size, both from one distribution: gaussian, Student-t with 3
 degrees of freedom (heavy tails, scaled to unit variance), or gaussian with outliers
 (0.1% of the values times 100); numpy draws them from fixed seeds, and the shards of a
-smaller N are the first rows of the largest N's. Quantization is `zeropp_jax.quant`
+smaller N are the first rows of the largest N's. Quantization is `zeropp_jax.wire.quant`
 (symmetric absmax blocks of `block_size`, round to nearest).
 
 `inject_quantization_events` adds k extra quantization events to a gradient (for the
@@ -47,7 +47,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from zeropp_jax import quant, rotation  # noqa: E402
+from zeropp_jax.wire import _rotation as rotation  # noqa: E402
+from zeropp_jax.wire import quant
 
 DISTRIBUTIONS = ("gaussian", "student_t3", "outliers")
 METHODS = ("ring", "one_shot", "two_hop_g8", "two_hop_g16")
@@ -84,7 +85,7 @@ def round_trip(
     """One quantization event: block-quantize `x` (1-d, size divisible by `block_size`)
     with the reference quantizer and dequantize it back to float32. With
     `rotation_block_size`, the blocks are rotated by the block Hadamard rotation
-    (`zeropp_jax.rotation`) before quantizing and rotated back after, as a rotated
+    (`zeropp_jax.wire._rotation`) before quantizing and rotated back after, as a rotated
     gradient hop does."""
     blocks = x.reshape(-1, block_size)
     if rotation_block_size is not None:

@@ -224,7 +224,7 @@ def build_step(engine: str, model: str, mesh: Any) -> Step:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from zeropp_jax.partition import BATCH_SPEC
+    from zeropp_jax.state._partition import BATCH_SPEC
     from zeropp_jax.train import plan
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args
@@ -427,7 +427,7 @@ def flags_study(gpu: str) -> list[dict[str, Any]]:
     lowered = step.fn.lower(step.state, step.batch)
 
     def signature(compiled) -> tuple:
-        from zeropp_jax import hlo_text
+        from zeropp_jax.measure import _hlo_text as hlo_text
 
         module = hlo_text.parse_hlo_module(compiled.as_text())
         return tuple(

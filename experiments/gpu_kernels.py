@@ -6,7 +6,7 @@
 Checks: every kernel (compiled, Triton backend) on fresh random data of every kind (normal,
 heavy-tailed, zero, -0.0, NaN, +-Inf, exact ties, near float32 max, subnormal), with a block
 count that is not a multiple of the tile and outputs that start poisoned (NaN, -128 or 255
-buffers aliased into the kernel), compared bit for bit with `zeropp_jax.quant` compiled by
+buffers aliased into the kernel), compared bit for bit with `zeropp_jax.wire.quant` compiled by
 XLA on the same device. A mismatch names the kinds of block it hit and, for round-to-nearest
 quantization, which side a host float32 computation of the contract (`x * fl(1 / scale)`,
 ties to even) agrees with. On an H200 with jax 0.11.2 the kernels agreed with the host on
@@ -15,7 +15,7 @@ every differing value and XLA did not: XLA:GPU's float32 `1 / s` is not correctl
 
 Timing: median of several runs after warm-up (`block_until_ready`), as bytes read plus bytes
 written per second, next to a device-to-device copy (`x + 1` on a float32 array of the same
-size, 2x its bytes), and the gradient hops' Hadamard rotation (`zeropp_jax.rotation`, XLA
+size, 2x its bytes), and the gradient hops' Hadamard rotation (`zeropp_jax.wire._rotation`, XLA
 operations, float32 in and out). Sizes are the float32 side of each kernel (its input for
 quantize, its output for the others). Designed to finish in under 3 minutes on an H200,
 compile included; `--budget-s` stops timing early rather than overrun. Exit status 1 if any
@@ -40,7 +40,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-from zeropp_jax import quant, rotation  # noqa: E402
+from zeropp_jax.wire import _rotation as rotation  # noqa: E402
+from zeropp_jax.wire import quant  # noqa: E402
 
 MIB = 1 << 20
 KINDS = ["x1e3", "x1e-3", "heavy", "heavy", "zero", "-0.0", "nan", "+-inf", "ties", "x1e37"]

@@ -75,7 +75,7 @@ def build_step(engine: str, mesh: Any, argv: list[str] | None = None) -> tuple[A
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from zeropp_jax.partition import BATCH_SPEC
+    from zeropp_jax.state._partition import BATCH_SPEC
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args
     from zeropp_jax.train.model import GPT, init_fn
@@ -174,7 +174,7 @@ def elements(shape: str) -> int:
 
 def nbytes(shape: str) -> int:
     """Bytes of every array in an HLO shape (a tuple's summed; tokens none)."""
-    from zeropp_jax.hlo_text import array_shapes
+    from zeropp_jax.measure._hlo_text import array_shapes
 
     return sum(b for _, b in array_shapes(shape))
 
@@ -297,7 +297,7 @@ def kind_of(module: Any, ins: Any) -> str:
 
 def kernels(text: str) -> list[Kernel]:
     """Every kernel of a compiled program's HLO text (see `Kernel`)."""
-    from zeropp_jax import hlo_text
+    from zeropp_jax.measure import _hlo_text as hlo_text
 
     module = hlo_text.parse_hlo_module(text)
     shapes = {(c, i.name): i.shape for c, ins in module.computations.items() for i in ins}
@@ -347,7 +347,7 @@ def kernels(text: str) -> list[Kernel]:
 def static_counts(text: str) -> dict[str, int]:
     """Instructions in the program text: top-level fusions, custom-calls, copies, loops;
     and inside fusions, the opcodes that move or reshape data."""
-    from zeropp_jax import hlo_text
+    from zeropp_jax.measure import _hlo_text as hlo_text
 
     module = hlo_text.parse_hlo_module(text)
     fused = set()
@@ -387,15 +387,15 @@ def source_of(kernel: Kernel) -> str:
 
 
 WEIGHT_PATH = (
-    "zeropp_jax/placement.py",
-    "zeropp_jax/dataflow.py",
-    "zeropp_jax/weight_gather.py",
-    "zeropp_jax/partition.py",
-    "zeropp_jax/collectives.py",
-    "zeropp_jax/quant.py",
-    "zeropp_jax/reductions.py",
-    "zeropp_jax/island.py",
-    "zeropp_jax/kernels.py",
+    "zeropp_jax/interpreter/_placement.py",
+    "zeropp_jax/interpreter/_dataflow.py",
+    "zeropp_jax/wire/_weight_gather.py",
+    "zeropp_jax/state/_partition.py",
+    "zeropp_jax/wire/collectives.py",
+    "zeropp_jax/wire/quant.py",
+    "zeropp_jax/wire/_reductions.py",
+    "zeropp_jax/interpreter/_island.py",
+    "zeropp_jax/wire/_kernels.py",
     "pallas_kernels/",
     "zeropp_jax/baselines.py:cast_floats",
 )
@@ -419,7 +419,8 @@ class Origin(NamedTuple):
 ORIGINS = {
     "rerun": Origin(
         "forward re-run in the island's backward",
-        "`zeropp_jax/placement.py:_at_shared_use` (`use_bwd`: `jax.vjp(run_flat, acts, "
+        "`zeropp_jax/interpreter/_placement.py:_at_shared_use` (`use_bwd`: "
+        "`jax.vjp(run_flat, acts, "
         "again)`; `_at_use.use_bwd` alike), on the tied embedding's head "
         "(`train/model.py:head_cross_entropy`, a `custom_vjp` whose forward is the whole "
         "logits loop: 16 chunks of GEMM, max and sum)",
@@ -432,8 +433,8 @@ ORIGINS = {
     ),
     "pallas": Origin(
         "qwZ quantize / dequantize (Pallas) where nothing is sent",
-        "`zeropp_jax/weight_gather.py:secondary_wire` and `gather_from` through the "
-        "Pallas codec (`zeropp_jax/kernels.py`), per use in `placement.py:_at_use` and once "
+        "`zeropp_jax/wire/_weight_gather.py:secondary_wire` and `gather_from` through the "
+        "Pallas codec (`zeropp_jax/wire/_kernels.py`), per use in `placement.py:_at_use` and once "
         "for the tied embedding (`_shared`)",
         "skip the codec for a gather whose group is one device (a data-parallel size of 1): "
         "nothing is sent, so quantizing only loses precision and costs passes; record it "
@@ -441,7 +442,7 @@ ORIGINS = {
     ),
     "weights": Origin(
         "stored weight to the model's weight, per use (cast, tie, unpiece)",
-        "`zeropp_jax/placement.py:_at_use` / `_full_weight` (each use: `part.piece`, "
+        "`zeropp_jax/interpreter/_placement.py:_at_use` / `_full_weight` (each use: `part.piece`, "
         "`dataflow.tie`, the f32 -> bf16 cast of the wire, `partition.unpiece`), forward, "
         "remat forward and backward; XLA FSDP's: `baselines.py:cast_floats`, once per step",
         "cast each stored piece to the compute dtype once per step (a bf16 copy of the "
@@ -451,7 +452,7 @@ ORIGINS = {
     ),
     "finite": Origin(
         "non-finite check of the gradients",
-        "`zeropp_jax/engine.py:_all_finite` (always, for `grads_finite`), in "
+        "`zeropp_jax/_engine.py:_all_finite` (always, for `grads_finite`), in "
         "`TrainState.apply_gradients`",
         "compute it only with `skip_nonfinite_updates`, or read it off the global norm "
         "the optimizer's clipping computes (`isfinite(global_norm)`): one scalar, no pass",
@@ -481,7 +482,7 @@ def origin_of(kernel: Kernel) -> str:
         return "pallas"
     if any(source.startswith(p) for p in WEIGHT_PATH):
         return "weights"
-    if source.startswith("zeropp_jax/engine.py:_all_finite"):
+    if source.startswith("zeropp_jax/_engine.py:_all_finite"):
         return "finite"
     if source.startswith("zeropp_jax/") and not source.startswith("zeropp_jax/train/"):
         return "engine"

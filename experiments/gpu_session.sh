@@ -2,7 +2,7 @@
 # What a lent GPU runs, in one call (about 5 minutes on an H200): the Pallas kernels'
 # checks and timings (gpu_kernels.py), the two diagnostics, then the trainer's scanned GPT
 # step per engine (gpu_step.py), on whatever jax the GPU host has (0.10.2 to 0.12: the
-# engine reads a scan through zeropp_jax.jaxpr_compat on each). Logs and tables go to $OUT
+# engine reads a scan through zeropp_jax.interpreter._jaxpr_compat on each). Logs and tables go to $OUT
 # (default /tmp/gpu_session). The run of 2026-12-04: experiments/results/gpu_h200/.
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1

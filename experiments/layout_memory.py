@@ -54,7 +54,7 @@ def worker(argv: list[str]) -> None:
     from jax.sharding import NamedSharding
 
     import zeropp_jax as zpp
-    from zeropp_jax.partition import BATCH_SPEC
+    from zeropp_jax.state._partition import BATCH_SPEC
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args
     from zeropp_jax.train.model import GPT, init_fn

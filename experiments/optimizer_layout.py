@@ -6,7 +6,7 @@
 Layout 1 padded each stacked leaf's layer (and each tensor-parallel slice) in values to a
 multiple of the device count `N` and ran the optimizer on that padded layout; layout 2
 pads whole rows, so that the optimizer's model-shaped view is a crop of each device's rows
-(`zeropp_jax.optimizer_view`). Per model and device count, from the parameter shapes
+(`zeropp_jax.state._optimizer_view`). Per model and device count, from the parameter shapes
 alone: stored values, their padding, and the float32 master weights plus Adam's two
 moments per device under each layout. The ZeRO collectives move each leaf's padded pieces,
 so their bytes scale with the stored values: the measured ledger of a ZeRO++ step on
@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
-from zeropp_jax import partition as part  # noqa: E402
+from zeropp_jax.state import _partition as part  # noqa: E402
 from zeropp_jax.train import cli, optimizers  # noqa: E402
 from zeropp_jax.train.flags import gpt_config, parse_args  # noqa: E402
 from zeropp_jax.train.model import GPT, init_fn, param_count  # noqa: E402

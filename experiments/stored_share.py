@@ -4,7 +4,8 @@
     python experiments/stored_share.py --devices 8,64 --out /tmp/s
 
 For each model, from its parameter shapes alone (nothing is initialised; the layout rules
-of `zeropp_jax.partition` and `zeropp_jax.stored_share`): the whole state's stored values
+of `zeropp_jax.state._partition` and `zeropp_jax.measure._stored_share`):
+the whole state's stored values
 per device over its share (`size / N`), and the leaves above 1 MiB (float32) stored above
 1.05x their share, with the worst of them. The goals of issue #48: every leaf above 1 MiB at
 most 1.05x its share; the whole state at most 1.02x plus 1 MiB per device.
@@ -31,8 +32,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _common import RESULTS, machine_line, write_table
 
-from zeropp_jax import partition as part  # noqa: E402
-from zeropp_jax import stored_share  # noqa: E402
+from zeropp_jax.measure import _stored_share as stored_share  # noqa: E402
+from zeropp_jax.state import _partition as part  # noqa: E402
 
 MIB = 2**20
 

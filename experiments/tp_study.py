@@ -74,7 +74,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
-from zeropp_jax.partition import BATCH_SPEC  # noqa: E402
+from zeropp_jax.state._partition import BATCH_SPEC  # noqa: E402
 from zeropp_jax.train.model import GPT, PRESETS, GPTConfig, init_fn, loss_fn  # noqa: E402
 
 ENGINES = ("xla_fsdp", "zero3", "zeropp")

@@ -50,7 +50,7 @@ import optax  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
 from zeropp_jax import baselines  # noqa: E402
-from zeropp_jax.ledger import PARTS  # noqa: E402
+from zeropp_jax.measure._ledger import PARTS  # noqa: E402
 from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn  # noqa: E402
 
 QUANTIZED_DTYPES = ("int8", "uint8")

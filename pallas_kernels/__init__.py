@@ -1,4 +1,4 @@
-"""Pallas kernels for block quantization, bit-exact with the jnp reference `zeropp_jax.quant`.
+"""Pallas kernels for block quantization, bit-exact with the jnp reference `zeropp_jax.wire.quant`.
 
 Same signatures and wire layout as the reference, plus keyword-only `tiling`, `interpret`
 and `poison_outputs`. `interpret=True` runs the Pallas interpreter (CPU tests); otherwise
@@ -8,7 +8,7 @@ however either side contracts `acc + q * scale` into FMAs, because every product
 (scales have at most 16 significant bits; see `_planes.dequantize_sum_fine_planes`).
 
 A leaf package: it imports only jax and numpy. The four block functions are what the
-collectives call (`zeropp_jax.kernels.pallas_codec` bundles them); `quantize_blockwise` and
+collectives call (`zeropp_jax.wire._kernels.pallas_codec` bundles them); `quantize_blockwise` and
 `dequantize_blockwise` quantize a whole array, as the reference's functions of those names.
 `trace_for_gpu` and `shard_map_mesh` lower the compiled kernels for a GPU on a machine
 without one (see `_target.py`).

@@ -1,4 +1,4 @@
-"""In-kernel helpers for the packed block layout of `zeropp_jax.quant`.
+"""In-kernel helpers for the packed block layout of `zeropp_jax.wire.quant`.
 
 A block of `block_size` values at `bits` bits is stored as `k = 8 // bits` planes of
 `block_size // k` values; value `j` of plane `i` sits in bits `[bits*i, bits*(i+1))` of byte
@@ -37,7 +37,7 @@ _SCALE_LOW = 2 ** (24 - _SCALE_BITS) - 1
 
 
 def _max_scale(m: int) -> float:
-    """`zeropp_jax.quant.max_scale`: the largest float32 of `_SCALE_BITS` significant bits
+    """`zeropp_jax.wire.quant.max_scale`: the largest float32 of `_SCALE_BITS` significant bits
     whose product with `qmax = m` is finite."""
     v = _F32_MAX / m
     ulp = 2.0 ** (math.frexp(v)[1] - _SCALE_BITS)
@@ -168,7 +168,7 @@ def quantize_fine_planes(
     """Quantizes the rows spread over float32 fine `planes` `(rows, w)`.
 
     Returns integer-valued float32 planes in `[-qmax, qmax]` and float32 scales `(rows,)`,
-    computed as `zeropp_jax.quant.quantize_blocks` does: absmax over the bits of `|x|`;
+    computed as `zeropp_jax.wire.quant.quantize_blocks` does: absmax over the bits of `|x|`;
     `scale = absmax * fl(1 / qmax)`, at least `2**-126` when absmax > 0, then (if positive
     and finite) rounded up to 16 significant bits and capped where `qmax * scale` would
     overflow; `safe = scale or 1`, pre-scaled by `2**-63` with

@@ -1,9 +1,9 @@
 """Whole-array block quantization on the kernels: `quantize_blockwise`, `dequantize_blockwise`.
 
-The same signatures and results as `zeropp_jax.quant`'s functions of those names, for the
+The same signatures and results as `zeropp_jax.wire.quant`'s functions of those names, for the
 integer formats (8, 4 and 2 bits): the array is flattened and its last block zero-padded in
 plain jnp (`to_blocks`), the blocks go through the `quantize_blocks` / `dequantize_blocks`
-kernels. `QuantizedArray` is defined here and re-exported by `zeropp_jax.quant` (the
+kernels. `QuantizedArray` is defined here and re-exported by `zeropp_jax.wire.quant` (the
 leaf package owns the type), so either package's `dequantize_blockwise` reads either's
 result.
 """
@@ -111,7 +111,7 @@ def dequantize_blockwise(
     """Dequantizes `q` back to its original shape in `dtype`.
 
     Args:
-      q: a `QuantizedArray` of this package or of `zeropp_jax.quant` (integer formats).
+      q: a `QuantizedArray` of this package or of `zeropp_jax.wire.quant` (integer formats).
       dtype: float dtype of the result (`q * scale` in float32, then cast).
       tiling: tile sizes; None picks them from the block size.
       interpret: run the kernel in the Pallas interpreter (CPU).

@@ -1,4 +1,4 @@
-"""Block dequantization kernel: `zeropp_jax.quant.dequantize_blocks`, bit for bit."""
+"""Block dequantization kernel: `zeropp_jax.wire.quant.dequantize_blocks`, bit for bit."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def dequantize_blocks(
     interpret: bool = False,
     poison_outputs: bool = False,
 ) -> jax.Array:
-    """Dequantizes packed blocks; equal to `zeropp_jax.quant.dequantize_blocks`.
+    """Dequantizes packed blocks; equal to `zeropp_jax.wire.quant.dequantize_blocks`.
 
     Args:
       values: int8 `(..., block_size)` for 8 bits, packed uint8 `(..., block_size * bits // 8)`

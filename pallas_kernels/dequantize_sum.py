@@ -1,4 +1,4 @@
-"""Fused dequantize-and-sum kernel: `zeropp_jax.quant.dequantize_sum_blocks`, bit for bit."""
+"""Fused dequantize-and-sum kernel: `zeropp_jax.wire.quant.dequantize_sum_blocks`, bit for bit."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def dequantize_sum_blocks(
     poison_outputs: bool = False,
 ) -> jax.Array:
     """Dequantizes `G` stacked block sets and sums them left to right in float32; equal to
-    `zeropp_jax.quant.dequantize_sum_blocks` (one read of the packed data, one write).
+    `zeropp_jax.wire.quant.dequantize_sum_blocks` (one read of the packed data, one write).
 
     Args:
       values: packed values `(G, num_blocks, bytes_per_block)` (per shard: e.g. the chunks

@@ -1,4 +1,4 @@
-"""Fused dequantize-sum-requantize kernel: `zeropp_jax.quant.dequantize_sum_quantize_blocks`,
+"""Fused dequantize-sum-requantize kernel: `zeropp_jax.wire.quant.dequantize_sum_quantize_blocks`,
 bit for bit, in one pass (the middle of the two-hop gradient reduction, qgZ)."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def dequantize_sum_quantize_blocks(
     poison_outputs: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """`dequantize_sum_blocks` then `quantize_blocks` at `out_bits`, fused: the float32 sum
-    never leaves the chip. Equal to `zeropp_jax.quant.dequantize_sum_quantize_blocks`.
+    never leaves the chip. Equal to `zeropp_jax.wire.quant.dequantize_sum_quantize_blocks`.
 
     Args:
       values: packed values `(G, num_blocks, bytes_per_block)` at `bits` (per shard).

@@ -1,4 +1,4 @@
-"""Block quantization kernel: `zeropp_jax.quant.quantize_blocks`, bit for bit."""
+"""Block quantization kernel: `zeropp_jax.wire.quant.quantize_blocks`, bit for bit."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def quantize_blocks(
     interpret: bool = False,
     poison_outputs: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Quantizes rows of `blocks`; equal to `zeropp_jax.quant.quantize_blocks`.
+    """Quantizes rows of `blocks`; equal to `zeropp_jax.wire.quant.quantize_blocks`.
 
     Args:
       blocks: float `(..., block_size)` (float32, bfloat16 or float16), one quantization block

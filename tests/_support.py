@@ -22,9 +22,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax import partition as part
-from zeropp_jax.quant import qmax
+from zeropp_jax.state import _partition as part
 from zeropp_jax.train.model import GPT, GPTConfig, init_fn
+from zeropp_jax.wire.quant import qmax
 
 
 class Net(nn.Module):

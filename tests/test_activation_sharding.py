@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax.activation_sharding import batch_spec, constrain_to_batch
+from zeropp_jax._activation_sharding import batch_spec, constrain_to_batch
 
 
 def test_batch_spec():

@@ -23,17 +23,17 @@ API = ROOT / "docs" / "api.md"
 
 EXTENSION_POINTS = (
     # The collectives, for your own `jax.shard_map`.
-    "zeropp_jax.collectives.all_gather_quantized",
-    "zeropp_jax.collectives.hierarchical_all_gather",
-    "zeropp_jax.reductions.reduce_scatter_quantized",
-    "zeropp_jax.reductions.two_hop_reduce_scatter",
-    "zeropp_jax.reductions.TwoHop",
+    "zeropp_jax.wire.collectives.all_gather_quantized",
+    "zeropp_jax.wire.collectives.hierarchical_all_gather",
+    "zeropp_jax.wire._reductions.reduce_scatter_quantized",
+    "zeropp_jax.wire._reductions.two_hop_reduce_scatter",
+    "zeropp_jax.wire._reductions.TwoHop",
     # The codec they quantize with.
-    "zeropp_jax.quant.Codec",
+    "zeropp_jax.wire.quant.Codec",
 )
 """The extension points the page promises, each with a `###` heading."""
-EXTENSION_HELPERS = ("zeropp_jax.quant.XLA_CODEC", "zeropp_jax.kernels.pallas_codec")
-"""The codecs that are built, documented under `zeropp_jax.quant.Codec`."""
+EXTENSION_HELPERS = ("zeropp_jax.wire.quant.XLA_CODEC", "zeropp_jax.wire._kernels.pallas_codec")
+"""The codecs that are built, documented under `zeropp_jax.wire.quant.Codec`."""
 MODULE_ENTRY_POINTS = ("zeropp_jax.launch",)
 """Modules run as `python -m` (`python -m zeropp_jax.train` is `zeropp-train`)."""
 ENTRY_POINT_HELPERS = ("zeropp_jax.launch.initialize_from_env",)
@@ -153,10 +153,10 @@ def test_the_check_fails_without_a_public_heading():
 @pytest.mark.parametrize(
     "extra",
     [
-        "### `zeropp_jax.layered_scan.run`\n",
+        "### `zeropp_jax.interpreter._layered_scan.run`\n",
         "### `layered_scan.run`\n",
-        "::: zeropp_jax.indexed_scan.over_layers\n",
-        "::: zeropp_jax.leaf_gathers.LeafGathers\n",
+        "::: zeropp_jax.interpreter._indexed_scan.over_layers\n",
+        "::: zeropp_jax.interpreter._leaf_gathers.LeafGathers\n",
     ],
 )
 def test_the_check_fails_for_an_internal(extra):

@@ -21,8 +21,8 @@ from zeropp_jax.baselines import (
     xla_fsdp_state,
     xla_fsdp_step,
 )
-from zeropp_jax.hlo_text import call_paths, parse_hlo_module
-from zeropp_jax.partition import BATCH_SPEC
+from zeropp_jax.measure._hlo_text import call_paths, parse_hlo_module
+from zeropp_jax.state._partition import BATCH_SPEC
 from zeropp_jax.train.model import GPT, GPTConfig, init_fn, loss_fn, param_count
 
 ALL = ("node", "local")

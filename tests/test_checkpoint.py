@@ -9,7 +9,7 @@ import pytest
 from test_engine import TX, Net, data, train_step
 
 import zeropp_jax as zpp
-from zeropp_jax import partition as part
+from zeropp_jax.state import _partition as part
 
 CONFIG = zpp.ZeroPPConfig()
 
@@ -168,7 +168,7 @@ def _write_layout_1(path, state, opt_leaves, version=1):
     import json
     import os
 
-    from zeropp_jax import checkpoint
+    from zeropp_jax.state import _checkpoint as checkpoint
 
     n = 8
     by_shape = {lo.stored_shape: lo for lo in state.layouts[1] if lo.sharded}

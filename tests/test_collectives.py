@@ -10,10 +10,11 @@ import pytest
 from _support import block_steps, per_device, rand
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax import collectives as C
-from zeropp_jax import make_mesh, wire
-from zeropp_jax import weight_gather as W
-from zeropp_jax.quant import qmax
+from zeropp_jax import make_mesh
+from zeropp_jax.wire import _encoding as wire
+from zeropp_jax.wire import _weight_gather as W
+from zeropp_jax.wire import collectives as C
+from zeropp_jax.wire.quant import qmax
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
 ROWS, COLS = 3, 5  # 15 values per shard: not a multiple of any block size used

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax._config import ZeroPPConfig
 
 
 def test_exported():
@@ -152,7 +152,7 @@ def test_invalid_value_message_is_actionable():
 
 
 def test_grad_reduce_resolves_by_platform():
-    from zeropp_jax.choices import resolve_grad_reduce
+    from zeropp_jax._choices import resolve_grad_reduce
 
     auto = ZeroPPConfig.zero3()
     assert auto.grad_reduce == "auto"

@@ -13,10 +13,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax import checkpoint, make_mesh, references, wire
-from zeropp_jax import delta as D
-from zeropp_jax import partition as part
-from zeropp_jax import quant as Q
+from zeropp_jax import _references as references
+from zeropp_jax import make_mesh
+from zeropp_jax.state import _checkpoint as checkpoint
+from zeropp_jax.state import _partition as part
+from zeropp_jax.wire import _delta as D
+from zeropp_jax.wire import _encoding as wire
+from zeropp_jax.wire import quant as Q
 
 F32_SLACK = 2.0**-22  # one float32 rounding of the reference update, relative to |x|
 MESHES = [(2, 4), (4, 2), (8, 1), (1, 8)]

@@ -1,4 +1,4 @@
-"""`zeropp_jax.distributed_muon`: optax's Muon with each matrix gathered once for Newton-Schulz.
+"""`zeropp_jax._distributed_muon`: optax's Muon with each matrix gathered once for Newton-Schulz.
 
 Every format against the same `muon` on one device (the format's rounding is part of the
 optimizer, so a sharded update equals it to float summation order), float32 against
@@ -16,9 +16,9 @@ from flax.training import train_state
 from optax.contrib import MuonDimensionNumbers
 
 import zeropp_jax as zpp
-from zeropp_jax import distributed_muon as muon_lib
-from zeropp_jax.partition import view_axis
-from zeropp_jax.quant import qmax
+from zeropp_jax import _distributed_muon as muon_lib
+from zeropp_jax.state._partition import view_axis
+from zeropp_jax.wire.quant import qmax
 
 EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
 

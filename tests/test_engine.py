@@ -9,7 +9,7 @@ import pytest
 from flax.training import train_state
 
 import zeropp_jax as zpp
-from zeropp_jax import engine
+from zeropp_jax import _engine as engine
 
 EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
 

@@ -11,7 +11,8 @@ import pytest
 from flax.training import train_state
 
 import zeropp_jax as zpp
-from zeropp_jax import choices, placement
+from zeropp_jax import _choices as choices
+from zeropp_jax.interpreter import _placement as placement
 from zeropp_jax.train import data
 from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn
 

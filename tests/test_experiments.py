@@ -21,7 +21,7 @@ import error_compounding as ec  # noqa: E402
 import projection as pj  # noqa: E402
 import volume_table as vt  # noqa: E402
 
-from zeropp_jax import quant  # noqa: E402
+from zeropp_jax.wire import quant  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

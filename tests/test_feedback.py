@@ -13,11 +13,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax import choices, make_mesh, reductions
-from zeropp_jax import feedback as F
-from zeropp_jax import partition as part
-from zeropp_jax import residuals as R
-from zeropp_jax import saved_layouts as L
+from zeropp_jax import _choices as choices
+from zeropp_jax import make_mesh
+from zeropp_jax.state import _partition as part
+from zeropp_jax.state import _residuals as R
+from zeropp_jax.state import _saved_layouts as L
+from zeropp_jax.wire import _feedback as F
+from zeropp_jax.wire import _reductions as reductions
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
 ROWS, COLS = 3, 11

@@ -31,9 +31,9 @@ import gpu_compile  # noqa: E402
 import gpu_program  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
-from zeropp_jax import hlo_text  # noqa: E402
-from zeropp_jax.partition import BATCH_SPEC  # noqa: E402
-from zeropp_jax.phases import phase_of  # noqa: E402
+from zeropp_jax.measure import _hlo_text as hlo_text  # noqa: E402
+from zeropp_jax.measure._phases import phase_of  # noqa: E402
+from zeropp_jax.state._partition import BATCH_SPEC  # noqa: E402
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 HAS_PLUGIN = importlib.util.find_spec("jax_plugins") is not None and (
@@ -310,7 +310,7 @@ def test_engine_programs_on_one_h200_run_xla_fsdps_gemms_and_no_codec():
 
     import gpu_overhead
 
-    from zeropp_jax.choices import NothingSentWarning
+    from zeropp_jax._choices import NothingSentWarning
 
     mesh = gpu_compile.gpu_mesh("h200", 1, 1)
     argv = ["--batch", "2", "--seq-len", "64", "--no-scan-layers"]

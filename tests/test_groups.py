@@ -1,10 +1,10 @@
-"""Replica groups on a mesh (zeropp_jax/groups.py): axes spanned, node crossings."""
+"""Replica groups on a mesh (zeropp_jax/measure/_groups.py): axes spanned, node crossings."""
 
 import jax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax import groups
+from zeropp_jax.measure import _groups as groups
 
 
 def test_groups_axes_and_node_crossings():

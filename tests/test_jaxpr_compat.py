@@ -1,4 +1,4 @@
-"""jax's internals in one module (`zeropp_jax.jaxpr_compat`): what it reads of scans,
+"""jax's internals in one module (`zeropp_jax.interpreter._jaxpr_compat`): what it reads of scans,
 calls and remat on the installed jax, what it rebuilds, and that no other module of the
 library reads them."""
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeropp_jax import jaxpr_compat
+from zeropp_jax.interpreter import _jaxpr_compat as jaxpr_compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def test_no_other_module_reads_jax_internals():
         (ROOT / "pallas_kernels").rglob("*.py")
     )
     assert len(modules) > 40
-    owner = ROOT / "zeropp_jax" / "jaxpr_compat.py"
+    owner = ROOT / "zeropp_jax" / "interpreter" / "_jaxpr_compat.py"
     found = [o for m in modules if m != owner for o in _offences(m)]
     assert found == []
     assert any("imports from jax._src" in o for o in _offences(owner))

@@ -1,9 +1,9 @@
-"""How many equations read each weight (`zeropp_jax.jaxpr_reads.count_uses`)."""
+"""How many equations read each weight (`zeropp_jax.interpreter._jaxpr_reads.count_uses`)."""
 
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax.jaxpr_reads import count_uses
+from zeropp_jax.interpreter._jaxpr_reads import count_uses
 
 
 def test_moves_and_casts_are_followed_and_inlined_calls_entered():

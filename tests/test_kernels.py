@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from zeropp_jax import kernels, quant
+from zeropp_jax.wire import _kernels as kernels
+from zeropp_jax.wire import quant
 
 # The reference, jitted as the collectives run it (and so that each test compiles it once,
 # not op by op).

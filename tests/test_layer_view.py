@@ -1,5 +1,5 @@
-"""Which layer a scan reads through layout-only equations (zeropp_jax/layer_view.py): the
-per-layer chain applied to the leaf's layer equals the scan's slice of the chained leaf."""
+"""Which layer a scan reads through layout-only equations (zeropp_jax/interpreter/_layer_view.py):
+the per-layer chain applied to the leaf's layer equals the scan's slice of the chained leaf."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from zeropp_jax import dataflow, layer_view
+from zeropp_jax.interpreter import _dataflow as dataflow
+from zeropp_jax.interpreter import _layer_view as layer_view
 
 SHAPE = (4, 3, 6)
 

@@ -1,5 +1,5 @@
-"""The layered scan (zeropp_jax/layered_scan.py): the model's own remat inside a scan over
-stacked weights, against one device, and what it computes."""
+"""The layered scan (zeropp_jax/interpreter/_layered_scan.py): the model's own remat inside
+a scan over stacked weights, against one device, and what it computes."""
 
 import warnings
 
@@ -13,7 +13,7 @@ from _support import int8_gather_bound, ones_int4_two_hop_bound, zeropp_sum_step
 from flax.training import train_state
 
 import zeropp_jax as zpp
-from zeropp_jax import placement
+from zeropp_jax.interpreter import _placement as placement
 
 EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
 LAYERS, WIDTH, BATCH, STEPS = 2, 16, 16, 2

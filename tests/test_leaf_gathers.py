@@ -1,4 +1,4 @@
-"""The per-leaf state of one island (`zeropp_jax.leaf_gathers`): how present values are
+"""The per-leaf state of one island (`zeropp_jax.interpreter._leaf_gathers`): how present values are
 spread over the leaves, and that `LeafGathers` is the interpreter's `Gathers`."""
 
 import inspect
@@ -8,9 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeropp_jax import dataflow
-from zeropp_jax import partition as part
-from zeropp_jax.leaf_gathers import LeafGathers, LeafState, per_leaf, residuals_per_leaf
+from zeropp_jax.interpreter import _dataflow as dataflow
+from zeropp_jax.interpreter._leaf_gathers import (
+    LeafGathers,
+    LeafState,
+    per_leaf,
+    residuals_per_leaf,
+)
+from zeropp_jax.state import _partition as part
 
 
 def test_per_leaf_spreads_present_values_in_order():

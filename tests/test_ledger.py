@@ -1,4 +1,4 @@
-"""Tests for `zeropp_jax.ledger`: every expected byte count is worked out by hand here."""
+"""Tests for `zeropp_jax.measure._ledger`: every expected byte count is worked out by hand here."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
 from zeropp_jax import CommLedger, comm_ledger
-from zeropp_jax.hlo_text import parse_replica_groups
-from zeropp_jax.ledger import CollectiveRecord
+from zeropp_jax.measure._hlo_text import parse_replica_groups
+from zeropp_jax.measure._ledger import CollectiveRecord
 
 ROWS, COLS = 2, 4  # per-device block of every test input: 2 x 4 elements
 F32_BLOCK = ROWS * COLS * 4  # 32 bytes

@@ -1,5 +1,5 @@
 """The per-link model: the bytes each collective sends through each node's network link,
-from its algorithm ('gloo' or 'nccl') and replica groups (zeropp_jax/links.py)."""
+from its algorithm ('gloo' or 'nccl') and replica groups (zeropp_jax/measure/_links.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax import comm_ledger
-from zeropp_jax.links import node_traffic
+from zeropp_jax.measure._links import node_traffic
 
 NODES = np.array([0, 0, 0, 0, 1, 1, 1, 1])  # 2 nodes x 4 devices, ids in node order
 CONTIGUOUS = [tuple(range(8))]

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 import zeropp_jax as zpp
-from zeropp_jax.mesh import AXES, make_mesh, mesh_shape
+from zeropp_jax._mesh import AXES, make_mesh, mesh_shape
 
 
 def ids(mesh: Mesh) -> np.ndarray:

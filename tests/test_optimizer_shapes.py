@@ -1,4 +1,4 @@
-"""The optimizer sees the model's shapes (`zeropp_jax.optimizer_view`): shape-reading optax
+"""The optimizer sees the model's shapes (`zeropp_jax.state._optimizer_view`): shape-reading optax
 transforms train exactly as on one device; views round-trip the stored layout."""
 
 import functools
@@ -15,9 +15,9 @@ from flax.training import train_state
 from optax.contrib import MuonDimensionNumbers
 
 import zeropp_jax as zpp
-from zeropp_jax import ledger as ledger_lib
-from zeropp_jax import optimizer_view
-from zeropp_jax import partition as part
+from zeropp_jax.measure import _ledger as ledger_lib
+from zeropp_jax.state import _optimizer_view as optimizer_view
+from zeropp_jax.state import _partition as part
 
 EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
 COLUMN = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
@@ -208,7 +208,7 @@ def test_elementwise_update_on_stacked_leaves_copies_nothing():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from zeropp_jax.engine import _all_finite
+    from zeropp_jax._engine import _all_finite
 
     mesh = zpp.make_mesh(2, 4)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1))

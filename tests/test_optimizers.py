@@ -5,8 +5,8 @@ import jax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax import optimizer_view
 from zeropp_jax.baselines import xla_fsdp_state
+from zeropp_jax.state import _optimizer_view as optimizer_view
 from zeropp_jax.train import optimizers
 from zeropp_jax.train.flags import OPTIMIZERS, gpt_config, parse_args
 from zeropp_jax.train.model import GPT, init_fn

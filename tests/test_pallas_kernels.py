@@ -1,5 +1,5 @@
 """The Pallas kernels, and the whole-array functions on them, against the jnp reference in
-`zeropp_jax.quant`, bit for bit.
+`zeropp_jax.wire.quant`, bit for bit.
 
 Kernels run with `interpret=True` on tiny inputs. Every input mixes normal and heavy-tailed
 blocks, an all-zero block, a -0.0 block, NaN and +-Inf blocks, a block of exact rounding
@@ -23,7 +23,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from zeropp_jax import quant
+from zeropp_jax.wire import quant
 
 TILING = pk.Tiling(block_rows=4)
 NUM_BLOCKS = 14  # not a multiple of the 4-row tile
@@ -330,7 +330,7 @@ def test_gpu_script_smoke():
 
 
 def test_imports_nothing_from_zeropp_jax():
-    """`pallas_kernels` is a leaf: jax and numpy only (`zeropp_jax.kernels` wraps it)."""
+    """`pallas_kernels` is a leaf: jax and numpy only (`zeropp_jax.wire._kernels` wraps it)."""
     code = (
         "import sys, pallas_kernels; print([m for m in sys.modules if m.startswith('zeropp_jax')])"
     )

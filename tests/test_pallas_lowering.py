@@ -22,9 +22,9 @@ from test_engine_pallas import Tiny
 
 import pallas_kernels as pk
 import zeropp_jax as zpp
-from zeropp_jax import choices
-from zeropp_jax.kernels import pallas_codec
-from zeropp_jax.quant import XLA_CODEC
+from zeropp_jax import _choices as choices
+from zeropp_jax.wire._kernels import pallas_codec
+from zeropp_jax.wire.quant import XLA_CODEC
 
 TRITON = "__gpu$xla.gpu.triton"
 NUM_BLOCKS, BLOCK = 14, 64  # 14 blocks: not a multiple of the 4-row tile

@@ -17,7 +17,8 @@ import pytest
 from _support import int8_gather_bound, ones_int4_two_hop_bound, zeropp_sum_step
 
 import zeropp_jax as zpp
-from zeropp_jax import baselines, placement
+from zeropp_jax import baselines
+from zeropp_jax.interpreter import _placement as placement
 
 EXACT = zpp.ZeroPPConfig(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
 VOCAB, WIDTH, HIDDEN, LAYERS, SEQ = 32, 16, 24, 3, 8

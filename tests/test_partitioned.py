@@ -1,4 +1,4 @@
-"""The step as XLA's SPMD partitioner leaves it (`zeropp_jax.partitioned`): the dump of the
+"""The step as XLA's SPMD partitioner leaves it (`zeropp_jax.measure._partitioned`): the dump of the
 partitioned program, the all-reduces a GPU compiler turns into reduce-scatters, and the
 ledger read from it: the whole step, the optimizer update's collectives included."""
 
@@ -10,8 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
 from zeropp_jax import comm_ledger
-from zeropp_jax.hlo_text import parse_hlo_module
-from zeropp_jax.partitioned import partitioned_program, sliced_all_reduces
+from zeropp_jax.measure._hlo_text import parse_hlo_module
+from zeropp_jax.measure._partitioned import partitioned_program, sliced_all_reduces
 
 SLICED = """\
 HloModule sliced

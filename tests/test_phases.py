@@ -1,18 +1,19 @@
-"""The phase of an HLO op and the trip counts of a program's loops (`zeropp_jax.phases`)."""
+"""The phase of an HLO op and the trip counts of a program's loops
+(`zeropp_jax.measure._phases`)."""
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.hlo_text import parse_hlo_module
-from zeropp_jax.optimizer_view import UPDATE_SCOPE
-from zeropp_jax.phases import (
+from zeropp_jax.measure._hlo_text import parse_hlo_module
+from zeropp_jax.measure._phases import (
     _counts_by_key,
     collective_loops,
     compiled_trip_counts,
     lowered_trip_counts,
     phase_of,
 )
+from zeropp_jax.state._optimizer_view import UPDATE_SCOPE
 
 
 def test_phase_of_op_names():

@@ -1,4 +1,4 @@
-"""Gathering at use (zeropp_jax/placement.py): scanned models against one device, the
+"""Gathering at use (zeropp_jax/interpreter/_placement.py): scanned models against one device, the
 per-layer layout, the whole-leaf fallback with its warning, and prefetch in the program."""
 
 import warnings
@@ -13,7 +13,7 @@ from flax import nnx
 from flax.training import train_state
 
 import zeropp_jax as zpp
-from zeropp_jax import placement
+from zeropp_jax.interpreter import _placement as placement
 
 EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
 LAYERS, WIDTH, IN, OUT = 3, 24, 11, 2

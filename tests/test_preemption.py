@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from zeropp_jax import preemption
-from zeropp_jax.preemption import MARGIN, StopGuard
+from zeropp_jax.state import _preemption as preemption
+from zeropp_jax.state._preemption import MARGIN, StopGuard
 
 TINY = [
     "--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--seq-len", "16",
@@ -199,7 +199,7 @@ def test_a_full_disk_at_save_time_is_one_line_and_keeps_the_last(tmp_path):
     trainer = shlex.join([sys.executable, "-m", "zeropp_jax.train", *argv])
     # After the second run, inside the same namespace: is step_2 still complete?
     check = (
-        "import os, sys; from zeropp_jax.checkpoint import read_metadata; "
+        "import os, sys; from zeropp_jax.state._checkpoint import read_metadata; "
         "read_metadata(sys.argv[1] + '/step_2'); print('LEFT', sorted(os.listdir(sys.argv[1])))"
     )
     q = {"disk": shlex.quote(str(disk)), "ckpts": shlex.quote(str(out / "checkpoints"))}

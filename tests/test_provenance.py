@@ -2,7 +2,7 @@
 
 import subprocess
 
-from zeropp_jax.provenance import SOURCE, describe, provenance, same_code
+from zeropp_jax.measure._provenance import SOURCE, describe, provenance, same_code
 
 
 def test_provenance_of_this_checkout():

@@ -1,4 +1,4 @@
-"""Tests of the reference block quantizer (`zeropp_jax.quant`).
+"""Tests of the reference block quantizer (`zeropp_jax.wire.quant`).
 
 Every round-trip check uses the analytic bound of the quantizer, never a tuned tolerance.
 For a value `x` in a block with scale `s` (`quant.step_size`), round to nearest gives
@@ -39,7 +39,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeropp_jax import config, quant
+from zeropp_jax import _config as config
+from zeropp_jax.wire import quant
 
 U = 2.0**-24  # float32 unit roundoff
 TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
@@ -647,7 +648,7 @@ def test_format_of_rejects_other_formats_naming_the_table(bad):
         quant.format_of(bad)
     msg = str(info.value)
     assert f"bits={bad!r}" in msg and str(tuple(quant.FORMATS)) in msg, msg
-    assert "zeropp_jax.quant.FORMATS" in msg, msg
+    assert "zeropp_jax.wire.quant.FORMATS" in msg, msg
 
 
 def test_config_accepts_exactly_the_table_formats():
@@ -665,4 +666,4 @@ def test_config_accepts_exactly_the_table_formats():
             assert f"{field}={bad!r}" in msg, msg
             # The allowed values end with the table's keys ("(None, 8, ..." or "('same', ...").
             assert f"None, {repr(tuple(quant.FORMATS))[1:]}" in msg, msg
-            assert "zeropp_jax.quant.FORMATS" in msg, msg
+            assert "zeropp_jax.wire.quant.FORMATS" in msg, msg

@@ -1,4 +1,4 @@
-"""Tests of the fused references of the gradient reduction (`zeropp_jax.quant`):
+"""Tests of the fused references of the gradient reduction (`zeropp_jax.wire.quant`):
 `dequantize_sum_blocks`, `dequantize_sum_quantize_blocks` and the scale cap they rely on.
 
 Bounds are the analytic ones of tests/test_quant.py (its docstring derives them) plus the
@@ -24,7 +24,7 @@ from test_quant import (
     sr_bound,
 )
 
-from zeropp_jax import quant
+from zeropp_jax.wire import quant
 
 dequantize_sum_blocks = jax.jit(quant.dequantize_sum_blocks, static_argnames=("bits",))
 dequantize_sum_quantize_blocks = jax.jit(

@@ -1,4 +1,4 @@
-"""The block Hadamard rotation (`zeropp_jax.rotation`) and the gradient hops that use it:
+"""The block Hadamard rotation (`zeropp_jax.wire._rotation`) and the gradient hops that use it:
 the rotation's math on plain arrays, the config fields, the rotated two-hop reduction
 against the quantizer's bound in the rotated basis, with error feedback, and in the
 engine (the ledger's bytes do not change)."""
@@ -13,9 +13,13 @@ from _support import batch, engine
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax import feedback, make_mesh, quant, reductions, rotation
-from zeropp_jax.kernels import pallas_codec
-from zeropp_jax.wire import effective_block_size
+from zeropp_jax import make_mesh
+from zeropp_jax.wire import _feedback as feedback
+from zeropp_jax.wire import _reductions as reductions
+from zeropp_jax.wire import _rotation as rotation
+from zeropp_jax.wire import quant
+from zeropp_jax.wire._encoding import effective_block_size
+from zeropp_jax.wire._kernels import pallas_codec
 
 EPS = 2.0**-24  # float32 unit roundoff
 SCALE_ROUNDING = 1 + 2.0**-15  # scales are rounded up to 16 significant bits

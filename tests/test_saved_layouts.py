@@ -1,11 +1,11 @@
-"""How saved leaves map onto a target's stored layout (`zeropp_jax.saved_layouts`)."""
+"""How saved leaves map onto a target's stored layout (`zeropp_jax.state._saved_layouts`)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeropp_jax import partition as part
-from zeropp_jax import saved_layouts as L
+from zeropp_jax.state import _partition as part
+from zeropp_jax.state import _saved_layouts as L
 
 
 def test_layout_version_reads_1_to_current_and_refuses_newer():

@@ -9,8 +9,9 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax import baselines, state_init
-from zeropp_jax import partition as part
+from zeropp_jax import baselines
+from zeropp_jax.state import _partition as part
+from zeropp_jax.state import _state_init as state_init
 from zeropp_jax.train.cli import train_step
 from zeropp_jax.train.model import GPT, GPTConfig
 

@@ -1,4 +1,4 @@
-"""`zeropp_jax.stored_share`: each leaf's stored values over its share, the reason, and
+"""`zeropp_jax.measure._stored_share`: each leaf's stored values over its share, the reason, and
 `TrainState.create`'s warning naming the leaves padded above 1.05x their share."""
 
 import warnings
@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax import partition as part
-from zeropp_jax import stored_share
+from zeropp_jax.measure import _stored_share as stored_share
+from zeropp_jax.state import _partition as part
 
 
 def layout(shape, n):

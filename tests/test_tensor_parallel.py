@@ -14,11 +14,12 @@ import pytest
 from flax.training import train_state
 
 import zeropp_jax as zpp
-from zeropp_jax import baselines, tensor_parallel
-from zeropp_jax import mesh as mesh_lib
-from zeropp_jax import partition as part
-from zeropp_jax.quant import qmax
+from zeropp_jax import _mesh as mesh_lib
+from zeropp_jax import _tensor_parallel as tensor_parallel
+from zeropp_jax import baselines
+from zeropp_jax.state import _partition as part
 from zeropp_jax.train.model import GPT, GPTConfig, init_fn, init_params, loss_fn
+from zeropp_jax.wire.quant import qmax
 
 EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
 COLUMN = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))

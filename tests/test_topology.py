@@ -23,7 +23,7 @@ import pytest
 
 import zeropp_jax as zpp
 from zeropp_jax import launch
-from zeropp_jax.mesh import TopologyWarning, device_grid, make_mesh, process_hosts
+from zeropp_jax._mesh import TopologyWarning, device_grid, make_mesh, process_hosts
 
 WORKER = os.path.join(os.path.dirname(__file__), "topology_worker.py")
 PROCESSES = 4  # two per fake host: enough to group processes into a host's row

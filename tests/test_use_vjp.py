@@ -1,12 +1,12 @@
-"""One use's VJP split at its weights (`zeropp_jax.use_vjp`), against `jax.vjp`."""
+"""One use's VJP split at its weights (`zeropp_jax.interpreter._use_vjp`), against `jax.vjp`."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeropp_jax import use_vjp
-from zeropp_jax.jaxpr_reads import computed_from
+from zeropp_jax.interpreter import _use_vjp as use_vjp
+from zeropp_jax.interpreter._jaxpr_reads import computed_from
 
 
 def matmul(acts, weights):

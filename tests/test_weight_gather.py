@@ -1,4 +1,4 @@
-"""Bucketed gradient reductions (`zeropp_jax.weight_gather.reduce_gradients`): the gradients
+"""Bucketed gradient reductions (`zeropp_jax.wire._weight_gather.reduce_gradients`): the gradients
 that fill whole quantization blocks share one reduction, bit for bit what each gets alone."""
 
 import collections
@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax import make_mesh
-from zeropp_jax import weight_gather as W
-from zeropp_jax.hlo_text import parse_hlo_module
+from zeropp_jax.measure._hlo_text import parse_hlo_module
+from zeropp_jax.wire import _weight_gather as W
 
 N = 8
 SPECS = {  # name: (GatherSpec fields, the collective each reduction runs)

@@ -30,7 +30,7 @@ def layout(mesh) -> list[list[int]]:
 
 def warned(make) -> list[str]:
     """The TopologyWarning messages `make()` emits."""
-    from zeropp_jax.mesh import TopologyWarning
+    from zeropp_jax._mesh import TopologyWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     import zeropp_jax as zpp
-    from zeropp_jax.mesh import process_hosts
+    from zeropp_jax._mesh import process_hosts
 
     me, count = jax.process_index(), jax.process_count()
     host = f"fakehost{me % args.hosts}"

@@ -11,7 +11,7 @@ collective by hand.
     embedding (model-width) dimension where it has one, as MaxText maps its `embed`
     logical axis to the FSDP axis; for a stacked leaf `(layers, ...)` never the layer axis.
   * The model is expected to pin its activations to the batch at each block's entry and
-    exit (`zeropp_jax.activation_sharding.constrain_to_batch`, as MaxText's models do);
+    exit (`zeropp_jax._activation_sharding.constrain_to_batch`, as MaxText's models do);
     the step traces under the mesh, so those constraints apply. Without them XLA's
     partitioner may run a scanned block tensor-parallel and gather the batch's activations
     instead of the weights.
@@ -37,10 +37,11 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax import optimizer_view, tensor_parallel
-from zeropp_jax.mesh import data_parallel_size
-from zeropp_jax.partition import BATCH_SPEC, MODEL_AXIS
-from zeropp_jax.state_init import ShardedInit, check_params, shapes_of
+from zeropp_jax import _tensor_parallel as tensor_parallel
+from zeropp_jax._mesh import data_parallel_size
+from zeropp_jax.state import _optimizer_view as optimizer_view
+from zeropp_jax.state._partition import BATCH_SPEC, MODEL_AXIS
+from zeropp_jax.state._state_init import ShardedInit, check_params, shapes_of
 
 ALL_DEVICES = ("node", "local")
 """The mesh axes a leaf is sharded over: all of them, in device order."""
@@ -318,8 +319,8 @@ def step_ledger(
     Returns:
       The ledger of the step, per device (`CommLedger`).
     """
-    from zeropp_jax.engine import TrainState, shard
-    from zeropp_jax.ledger import comm_ledger
+    from zeropp_jax._engine import TrainState, shard
+    from zeropp_jax.measure._ledger import comm_ledger
 
     batch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(

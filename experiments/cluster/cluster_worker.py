@@ -103,7 +103,7 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh, model_para
     import numpy as np
     import optax
 
-    from zeropp_jax.activation_sharding import constrain_to_batch
+    from zeropp_jax._activation_sharding import constrain_to_batch
     from zeropp_jax.train.data import batch_sharding, local_rows, make_global_batch
 
     class MLP(nn.Module):

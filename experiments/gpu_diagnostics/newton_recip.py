@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeropp_jax import quant
+from zeropp_jax.wire import quant
 
 x = jax.random.normal(jax.random.key(1), (16387, 256), jnp.float32)
 s = quant.block_scales(quant.block_absmax(x), 8)

@@ -1,6 +1,6 @@
 """The parameters of a `scan` equation in the installed jax (jax 0.10: num_consts,
-num_carry; jax 0.11+: ft_in, ft_out), and what `zeropp_jax.jaxpr_compat.scan_of` reads of
-them.
+num_carry; jax 0.11+: ft_in, ft_out), and what
+`zeropp_jax.interpreter._jaxpr_compat.scan_of` reads of them.
 
     python experiments/gpu_diagnostics/scan_params.py
 """
@@ -8,7 +8,7 @@ them.
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax import jaxpr_compat
+from zeropp_jax.interpreter import _jaxpr_compat as jaxpr_compat
 
 
 def f(c, xs):

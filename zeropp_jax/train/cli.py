@@ -32,7 +32,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from zeropp_jax.provenance import provenance
+from zeropp_jax.measure._provenance import provenance
 from zeropp_jax.train.flag_types import UsageError
 from zeropp_jax.train.flags import PROG, gpt_config, parse_args, zeropp_config
 from zeropp_jax.train.platform import (
@@ -145,7 +145,7 @@ def _setup(args: argparse.Namespace, t0: float) -> _Run:
     import jax
 
     import zeropp_jax as zpp
-    from zeropp_jax.mesh import data_parallel_size
+    from zeropp_jax._mesh import data_parallel_size
     from zeropp_jax.train import corpus as user_corpus
     from zeropp_jax.train import data
     from zeropp_jax.train.model import param_count as param_count_of
@@ -403,7 +403,7 @@ def _train(run: _Run) -> int:
 
 def _run_steps(loop: _Loop, bar, say) -> None:
     """Steps, with periodic evaluations and checkpoints, to the last step or a stop signal."""
-    from zeropp_jax.preemption import StopGuard
+    from zeropp_jax.state._preemption import StopGuard
     from zeropp_jax.train import data
 
     run, args = loop.run, loop.run.args
@@ -583,7 +583,7 @@ def ledger_summary(ledgers: dict[str, Any]) -> dict[str, Any]:
     """`summary.json`'s `ledger`: per ledger, bytes per step in units of M, per device and
     through the busiest node link, in all and per phase, and the program they were read
     from."""
-    from zeropp_jax.ledger import PHASES
+    from zeropp_jax.measure._ledger import PHASES
 
     out = {}
     for name, lg in ledgers.items():

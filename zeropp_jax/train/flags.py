@@ -10,7 +10,7 @@ import argparse
 import math
 from collections.abc import Sequence
 
-from zeropp_jax.config import KERNELS, SHARED_GRAD
+from zeropp_jax._config import KERNELS, SHARED_GRAD
 from zeropp_jax.train.data_flags import add_data_flags, check_data, resolve_vocab_size
 from zeropp_jax.train.flag_types import (
     UsageError,

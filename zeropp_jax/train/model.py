@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zeropp_jax import dataflow
-from zeropp_jax.activation_sharding import constrain_to_batch
-from zeropp_jax.state_init import ShardedInit
+from zeropp_jax._activation_sharding import constrain_to_batch
+from zeropp_jax.interpreter import _dataflow as dataflow
+from zeropp_jax.state._state_init import ShardedInit
 
 REMAT = ("none", "matmuls", "full")
 """The values of `GPTConfig.remat`."""
@@ -282,7 +282,7 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, pieces: int = 1) -> jax.Ar
     it, with its gradient: a scatter-add of the cotangent into zeros of the table's shape
     and dtype, in `pieces` ranges of rows.
 
-    The backward's zeros wait for the cotangent (`zeropp_jax.dataflow.tie`): without that
+    The backward's zeros wait for the cotangent (`interpreter._dataflow.tie`): without that
     XLA allocates them, a whole (vocab, d) buffer, at the start of the backward and holds
     them through every block's backward until the lookup's gradient is finally added in.
     Each range of rows is its own scatter-add in the table's dtype, so the sums are those

@@ -1,7 +1,7 @@
 """The trainer's optimizers (`--optimizer`) and its weight-decay mask.
 
 Every optimizer runs on the model's shapes (the engines hand optax the parameters as the
-model declares them; see `zeropp_jax.optimizer_view`), so the masks below read names and
+model declares them; see `zeropp_jax.state._optimizer_view`), so the masks below read names and
 per-layer shapes the same way under `zeropp`, `zero3` and `xla-fsdp`, with or without
 `--model-parallel`.
 """
@@ -15,7 +15,7 @@ import jax
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from zeropp_jax import distributed_muon
+from zeropp_jax import _distributed_muon as distributed_muon
 from zeropp_jax.train.flags import OPTIMIZERS
 
 DECAYED = ("kernel", "embedding", "wpe")

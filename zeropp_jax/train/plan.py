@@ -69,8 +69,8 @@ import dataclasses
 import math
 from typing import Any
 
-from zeropp_jax import choices
-from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax import _choices as choices
+from zeropp_jax._config import ZeroPPConfig
 from zeropp_jax.train.model import GPTConfig
 
 FLOAT = 4

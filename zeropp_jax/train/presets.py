@@ -10,7 +10,7 @@ def preset_defaults(preset: str) -> dict[str, object]:
     """The flag values (as `argparse` destinations) that give `ZeroPPConfig`'s preset
     `preset` ("zeropp": the defaults, "beyond": `ZeroPPConfig.beyond()`, "muon":
     `ZeroPPConfig.muon()`)."""
-    from zeropp_jax.config import ZeroPPConfig
+    from zeropp_jax._config import ZeroPPConfig
 
     cfg = {"zeropp": ZeroPPConfig, "beyond": ZeroPPConfig.beyond, "muon": ZeroPPConfig.muon}[
         preset

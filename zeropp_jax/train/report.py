@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from zeropp_jax import choices
+from zeropp_jax import _choices as choices
 from zeropp_jax.train.flags import PROG, gpt_config, zeropp_config
 from zeropp_jax.train.platform import check_batch, make_mesh
 
@@ -105,8 +105,8 @@ def plan_report(args: argparse.Namespace, *, train_step: Callable, tx: Any) -> s
     import numpy as np
 
     import zeropp_jax as zpp
-    from zeropp_jax.mesh import data_parallel_size
-    from zeropp_jax.partition import BATCH_SPEC
+    from zeropp_jax._mesh import data_parallel_size
+    from zeropp_jax.state._partition import BATCH_SPEC
     from zeropp_jax.train import fit, plan
     from zeropp_jax.train.model import GPT, init_fn
     from zeropp_jax.train.model import param_count as param_count_of

@@ -215,7 +215,7 @@ def _main(args: argparse.Namespace) -> int:
 
     import jax
 
-    from zeropp_jax.mesh import data_parallel_size
+    from zeropp_jax._mesh import data_parallel_size
     from zeropp_jax.train import data
 
     mesh = make_mesh(run)

@@ -1,0 +1,105 @@
+"""Shared pieces of the gather-at-use interpreter (`placement`, `layered_scan`): what the
+island tells it about each leaf (`Gathers`), and small pure helpers on values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from zeropp_jax import _tensor_parallel as tensor_parallel
+from zeropp_jax.state import _partition as part
+
+
+class Gathers(Protocol):
+    """What the island tells the interpreter about each sharded leaf (by leaf index).
+
+    `state(leaf)` is the leaf's per-step state (a `leaf_gathers.LeafState`): its
+    stochastic-rounding key, weight-delta reference and error-feedback residuals, traced
+    values of the island. The interpreter passes it back to `wire`, `gather`, `reduce` and
+    `full` explicitly, so they read nothing traced from this object. Of the state it reads
+    `.layer(i)`, its cut to one layer of a stack (a stacked leaf's reference and residuals
+    are per-device pieces of the whole leaf); `.relaid(axis)`, the state re-laid out as
+    `relayout.layers_to_front` does the leaf's shard; `.has_reference`, whether `wire`
+    reads a kept reference (no communication, so a loop computes it again where needed
+    rather than keeping it); `.residuals`, empty without error feedback. Only the
+    residuals are differentiated: `reduce` takes the gradients of several leaves at once
+    (a layer's, or one use's: it may reduce them together, `weight_gather.reduce_gradients`)
+    and returns `(gradient piece, new residuals)` for each, and
+    `.cotangent(new)` is the state's cotangent that carries them out of the island.
+
+    `reduce`'s `layer` is folded into the leaf's stochastic-rounding key (a scan's layer
+    index, or which of a shared weight's per-use reductions it is); None: the key as is.
+    """
+
+    num_devices: int
+
+    def layout(self, leaf: int) -> part.LeafLayout: ...
+    def name(self, leaf: int) -> str: ...
+    def state(self, leaf: int) -> Any: ...
+    def wire(self, leaf: int, piece: jax.Array, state: Any) -> tuple[jax.Array, ...]: ...
+    def gather(
+        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], state: Any, alternate: bool
+    ) -> jax.Array: ...
+    def reduce(
+        self,
+        leaves: Sequence[int],
+        gs: Sequence[jax.Array],
+        states: Sequence[Any],
+        layer: jax.Array | None,
+    ) -> list[tuple[jax.Array, Any]]: ...
+    def full(
+        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], state: Any
+    ) -> jax.Array: ...
+
+
+def tie(to: Any, x: Any) -> Any:
+    """`x`, computed from `to`: a data dependency that makes every array of `x` wait for
+    the arrays of `to` (None: `x` as it is).
+
+    XLA's CPU pipeline removes `lax.optimization_barrier` before scheduling, so the tie is
+    a real one: `-0.0` derived from one element of `to` (also when it is NaN or
+    infinite), cast to each array's dtype and added to it. `v + -0.0 == v` for every float
+    `v` (signed zeros and NaN included) and `v + 0 == v` for integers, so values are
+    unchanged to the bit; the cost is one pass over `x`, a piece or a secondary shard.
+    """
+    leaves = [v for v in jax.tree_util.tree_leaves(to) if is_inexact(v) and v.size]
+    if not leaves:
+        return x
+    first = jnp.ravel(leaves[0])[0].astype(jnp.float32)
+    zero = jnp.where(first == first, -jnp.minimum(jnp.abs(first), 0.0), -0.0)
+    return jax.tree_util.tree_map(lambda v: v + zero.astype(v.dtype), x)
+
+
+def apply_chain(x: jax.Array, chain: Sequence[tuple[Any, dict[str, Any]]]) -> jax.Array:
+    """Binds each `(primitive, params)` of `chain` to `x` in turn."""
+    for prim, params in chain:
+        x = prim.bind(x, **params)
+    return x
+
+
+def zero_cotangent(x: Any) -> Any:
+    """A zero cotangent for `x` (float0 for integer and key arrays)."""
+    aval = jax.typeof(x)
+    if jnp.issubdtype(aval.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return jnp.zeros(aval.shape, jax.dtypes.float0)
+
+
+def is_inexact(x: Any) -> bool:
+    """Whether `x` is a float or complex array."""
+    return jnp.issubdtype(jax.typeof(x).dtype, jnp.inexact)
+
+
+def first_array(xs: Sequence[Any]) -> Any:
+    """The first float array of `xs`, or None."""
+    return next((x for x in xs if is_inexact(x)), None)
+
+
+def unpiece_layer(g: Gathers, layout: part.LeafLayout, flat: jax.Array) -> jax.Array:
+    """One layer of a stacked leaf stored as `layout`, gathered, in its per-layer shape."""
+    return tensor_parallel.place_gathered(
+        part.unpiece(flat, layout, g.num_devices, True), layout, layer=True
+    )

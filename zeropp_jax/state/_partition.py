@@ -1,0 +1,539 @@
+"""Partition layout: how each parameter leaf is padded and sharded over the mesh.
+
+A float leaf is cast to float32 (the master copy) and sharded over all `N` devices with
+`('local', 'node')` (see `collectives` for why that order):
+
+- a leaf of rank 1 or 2 is one *row*; a leaf of rank >= 3, `(d0, d1, ...)`, is treated
+  as stacked (`(layers, row...)`, as `nn.scan`, `nnx.scan` and MaxText lay out LLM
+  blocks): axis 0 is kept whole, never split or padded, and each slice along it is a row.
+  A scan over the layer axis finds each layer's slice sharded and padded on its own.
+- a row is split over the `N` devices on one of its axes, `fit_axis(row_shape, N)`: its
+  first axis unless padding that to a multiple of `N` would store more than `RATIO_LIMIT`
+  (1.05) times its values; then the axis that pads least (`N` divides it, where one does).
+  That axis is zero-padded to `ceil(d / N) * N` and sharded (`leaf_spec`:
+  `PartitionSpec(('local', 'node'))` on axis 0 of an unstacked leaf, `PartitionSpec(None,
+  ..., ('local', 'node'))` further in). A conv kernel `(3, 3, 64, 64)` on 8 devices is
+  split on its axis 2, `(3, 3, 8, 64)` per device, where the first-axis rule stored it
+  `(3, 8, 64, 64)`, 2.67x its share.
+- so the model-shaped view of the leaf (`zeropp_jax.state._optimizer_view`) is a crop of the
+  padded axis, per device, and no reshape at all when `N` divides it: the optimizer
+  updates the stored arrays in place. Inside the island a device's shard is flattened per
+  layer, `(d0, C / N)` (`C` the padded row's values); a gathered leaf's pieces are put back
+  in place along the split axis (`join_blocks`).
+
+A stacked leaf's per-layer vectors (biases, norm scales: `(layers, width)`, rank 2) have
+the rank-2 layout: they are small, and a scan gathers them whole (see `placement`).
+
+A leaf split for tensor parallelism (`model_dim` set, see `zeropp_jax._tensor_parallel`) is
+first cut into `K = model_size` slices along `model_dim`, one per `model` rank; each slice
+is zero-padded in rows (its first axis; a stacked leaf's: each layer's) to a multiple of `N`,
+flattened to `C` values and sharded like a row above: stored `(K, C)` with
+`PartitionSpec('model', ('local', 'node'))`, or, stacked (`model_dim >= 1`, axis 0 the
+layers), `(layers, K, C)` with `PartitionSpec(None, 'model', ('local', 'node'))`. Inside
+the island (manual over `('node', 'local')`, `model` left to XLA) the `K` axis stays whole:
+each `model` rank gathers and reduces only its own slice, and the gathered weight, put
+back in its original shape, is split over `model` at `model_dim`.
+
+Each device's shard, flattened, is the *piece* the collectives gather and reduce; a
+gathered leaf, every device's piece in partition order, is turned back into the original
+shape by `unpiece`. Padding stays exactly zero: its gradient
+is zero, and so is every optimizer update of a zero parameter with a zero gradient. Float
+scalars and non-float leaves (counters, int tables) are replicated and never quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DP_AXES = ("local", "node")
+"""The data-parallel (ZeRO) axes in partition order: parameters are split over both."""
+MODEL_AXIS = "model"
+"""The tensor-parallel mesh axis (`make_mesh(..., model_size=K)`); XLA partitions over it."""
+PARAM_SPEC = P(("local", "node"))
+"""Spec of a sharded parameter of rank 1 or 2 (and of its optimizer state)."""
+ROW_PARAM_SPEC = P(None, ("local", "node"))
+"""Spec of a stacked parameter (rank >= 3), stored `(d0, padded rows, ...)` (and of its
+optimizer state)."""
+BATCH_SPEC = P(("node", "local"))
+"""Spec of a batch: leading dimension over all devices in node-major order."""
+REPLICATED = P()
+REFERENCE_SPEC = P("local")
+"""Spec of a weight-delta reference (`zeropp_jax.wire._delta`): the padded parameter as pieces,
+`(padded_size,)`, each local rank's secondary shard, the same on every node."""
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+LAYOUT_VERSION = 4
+"""The stored layout's version (see `with_devices`); checkpoints record it. Version 4
+splits each kept row on the axis that fits the device count (`fit_axis`); version 3 always
+split its first axis, storing a stacked leaf in its padded model shape, `(d0, padded rows,
+d2, ...)`; version 2 (the same values) flattened each layer, `(d0, C)`; version 1 also
+padded the flattened values rather than rows (`zeropp_jax.state._checkpoint` restores all four)."""
+RATIO_LIMIT = 1.05
+"""A kept row is split on its first axis unless that pads it above this many times its
+values (`fit_axis`); a leaf stored above it is named at `TrainState.create`
+(`zeropp_jax.measure._stored_share`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """How one parameter leaf is stored.
+
+    Attributes:
+      shape: original (global) shape.
+      dtype: original dtype name.
+      sharded: True for float leaves with at least one dimension (sharded float32 master
+        copy); False for replicated leaves.
+      padded: rank <= 2, the length of the split axis (`axis`) after padding; rank >= 3,
+        `C`, the values per kept row (one layer) after padding (axis 0 is kept whole;
+        stored with those values as `padded_row_shape`); tensor-parallel, `C`, the values
+        of one `model` slice (one layer's, stacked) after padding; 0 if not sharded.
+      model_dim: the axis of `shape` split over the `model` mesh axis (tensor
+        parallelism), or None.
+      model_size: `K`, the number of `model` slices (1 without tensor parallelism).
+      axis: the axis of `row_shape` that padding lengthens and the data-parallel devices
+        split (`fit_axis`); 0 for a tensor-parallel leaf.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    sharded: bool
+    padded: int
+    model_dim: int | None = None
+    model_size: int = 1
+    axis: int = 0
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the leaf is split over the `model` axis (stored with a `K` axis)."""
+        return self.sharded and self.model_dim is not None
+
+    @property
+    def slice_shape(self) -> tuple[int, ...]:
+        """The original shape with `model_dim` divided by `model_size` (one `model`
+        rank's slice); `shape` without tensor parallelism."""
+        if not self.tensor_parallel:
+            return self.shape
+        s = list(self.shape)
+        s[self.model_dim] //= self.model_size
+        return tuple(s)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether axis 0 is kept whole (rank >= 3), so that a scan over it finds each
+        slice sharded on its own: a stacked matrix `(layers, rows, cols)`."""
+        return self.sharded and len(self.shape) >= 3
+
+    @property
+    def lead(self) -> int:
+        """Rows kept whole: `shape[0]` for a stacked leaf, 1 otherwise."""
+        return self.shape[0] if self.stacked else 1
+
+    @property
+    def cols(self) -> int:
+        """Values per kept row before padding (stacked: one slice along axis 0;
+        tensor-parallel: one `model` slice of it)."""
+        shape = self.slice_shape
+        return math.prod(shape[1:]) if self.stacked else math.prod(shape)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The shape of one kept row (a stacked leaf's layer, a tensor-parallel leaf's
+        `model` slice, both for a stacked tensor-parallel leaf; the leaf itself otherwise).
+        Its first axis is the one padding lengthens."""
+        shape = self.slice_shape
+        return shape[1:] if self.stacked else shape
+
+    @property
+    def padded_rows(self) -> int:
+        """The length of the kept row's split axis (`row_shape[axis]`) after padding, a
+        multiple of the device count (rank <= 2 without tensor parallelism: `padded`)."""
+        if not (self.stacked or self.tensor_parallel):
+            return self.padded
+        return self.padded // (math.prod(self.row_shape) // self.row_shape[self.axis])
+
+    @property
+    def padded_row_shape(self) -> tuple[int, ...]:
+        """`row_shape` with its split axis padded (`padded_rows`)."""
+        shape = list(self.row_shape)
+        shape[self.axis] = self.padded_rows
+        return tuple(shape)
+
+    @property
+    def padded_cols(self) -> int:
+        """Values per kept row after padding (N times one device's piece of it; tensor
+        parallel: of one `model` slice)."""
+        if self.stacked or self.tensor_parallel:
+            return self.padded
+        return math.prod(self.padded_row_shape)
+
+    @property
+    def padded_axis(self) -> int:
+        """The axis of the stored leaf that padding lengthens and the devices split (-1:
+        the last): `axis`, one further for a stacked leaf, the last for a tensor-parallel
+        one."""
+        if self.tensor_parallel:
+            return -1
+        return self.axis + (1 if self.stacked else 0)
+
+    @property
+    def padded_length(self) -> int:
+        """The length of `padded_axis` in the stored leaf."""
+        if self.stacked and not self.tensor_parallel:
+            return self.padded_rows
+        return self.padded
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """Global shape of the stored (padded) leaf."""
+        if not self.sharded:
+            return self.shape
+        if self.tensor_parallel:
+            if self.stacked:
+                return (self.lead, self.model_size, self.padded)
+            return (self.model_size, self.padded)
+        if self.stacked:
+            return (self.lead, *self.padded_row_shape)
+        return self.padded_row_shape
+
+    @property
+    def padded_size(self) -> int:
+        """Values of the stored leaf (every device's piece together)."""
+        if not self.sharded:
+            return self.size
+        return self.lead * self.model_size * self.padded_cols
+
+    def block_shape(self, num_devices: int) -> tuple[int, ...]:
+        """One device's block of one kept row (not tensor-parallel): `padded_row_shape`
+        with the split axis divided by `num_devices`. A device's piece is its block of
+        every kept row, flattened in order."""
+        shape = list(self.padded_row_shape)
+        shape[self.axis] //= num_devices
+        return tuple(shape)
+
+
+def leaf_layout(path: str, x: Any, num_devices: int) -> LeafLayout:
+    """Layout of one parameter leaf; raises `ValueError` for non-arrays and bad dtypes."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(
+            f"parameter {path} is a {type(x).__name__}, not an array; parameters must be "
+            "jax or numpy arrays (initialise the model with model.init and pass "
+            "variables['params'])."
+        )
+    dtype = np.dtype(x.dtype)
+    is_float = jnp.issubdtype(dtype, jnp.floating)
+    if is_float and dtype.name not in FLOAT_DTYPES:
+        raise ValueError(
+            f"parameter {path} has dtype {dtype.name}; float parameters must be one of "
+            f"{FLOAT_DTYPES}. Cast it (e.g. to float32) before TrainState.create."
+        )
+    if not is_float and not (jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_):
+        raise ValueError(
+            f"parameter {path} has dtype {dtype.name}; expected a float, int or bool array."
+        )
+    shape = tuple(int(d) for d in x.shape)
+    sharded = bool(is_float and len(shape) >= 1 and math.prod(shape) > 0)
+    return with_devices(LeafLayout(shape, dtype.name, sharded, 0), num_devices)
+
+
+def fit_axis(row_shape: tuple[int, ...], num_devices: int) -> int:
+    """The axis of a kept row (`LeafLayout.row_shape`) to split over `num_devices`
+    devices: its first, unless padding that to a multiple of `num_devices` stores more
+    than `RATIO_LIMIT` times the row's values; then the axis that pads least (the first of
+    equals). A conv kernel's row `(3, 64, 64)` on 8 devices splits axis 1: 1.0x its
+    values, where axis 0 would store 2.67x."""
+
+    def ratio(d: int) -> float:
+        return -(-d // num_devices) * num_devices / d
+
+    if ratio(row_shape[0]) <= RATIO_LIMIT:
+        return 0
+    return min(range(len(row_shape)), key=lambda i: (ratio(row_shape[i]), i))
+
+
+def view_axis(shape: tuple[int, ...], num_devices: int) -> int:
+    """The axis of a model-shaped leaf of `shape` (not tensor-parallel, rank >= 1) that the
+    stored layout splits over `num_devices` data-parallel devices, counted in the leaf's
+    own axes: `fit_axis` of its row, one further for a stacked leaf (rank >= 3). Whoever
+    reshards a model-shaped view (`zeropp_jax._distributed_muon`) reads it here rather than
+    from the value's type, which does not carry it under `jax.jit`."""
+    if len(shape) >= 3:
+        return 1 + fit_axis(tuple(shape[1:]), num_devices)
+    return fit_axis(tuple(shape), num_devices)
+
+
+def with_devices(
+    layout: LeafLayout, num_devices: int, *, version: int = LAYOUT_VERSION
+) -> LeafLayout:
+    """The layout of the same leaf padded for `num_devices` data-parallel devices.
+
+    Versions 2 to 4 pad whole rows: a kept row (the leaf; one layer of a stacked leaf; one
+    `model` slice of a tensor-parallel one) is padded along one axis to a multiple of
+    `num_devices`, so that every device holds a block of whole rows of that axis and the
+    model-shaped view is a crop. Version 4 (this one) picks that axis with `fit_axis`; 3
+    and 2 always padded the first (they differ only in how a stacked leaf is stored, see
+    `LAYOUT_VERSION`); a tensor-parallel leaf pads the first in every version. Version 1
+    (checkpoints written before) padded a stacked or tensor-parallel row's flattened values
+    to a multiple of `num_devices`.
+    """
+    if not layout.sharded:
+        return layout
+    if version not in (1, 2, 3, LAYOUT_VERSION):
+        raise ValueError(f"layout version must be 1 to {LAYOUT_VERSION}, got {version!r}.")
+    structured = layout.stacked or layout.tensor_parallel
+    if version == 1 and structured:
+        padded = -(-layout.cols // num_devices) * num_devices
+        return dataclasses.replace(layout, padded=padded, axis=0)
+    fits = version >= 4 and not layout.tensor_parallel
+    axis = fit_axis(layout.row_shape, num_devices) if fits else 0
+    rows = layout.row_shape[axis]
+    padded = -(-rows // num_devices) * num_devices
+    if structured:
+        padded *= math.prod(layout.row_shape) // rows
+    return dataclasses.replace(layout, padded=padded, axis=axis)
+
+
+def with_model_split(
+    layout: LeafLayout,
+    model_dim: int | None,
+    model_size: int,
+    num_devices: int,
+    *,
+    version: int = LAYOUT_VERSION,
+) -> LeafLayout:
+    """The layout of the same leaf split over `model_size` `model` ranks at `model_dim`
+    (None, or `model_size` 1: not split), padded for `num_devices` data-parallel devices
+    (`version`: see `with_devices`). The caller has checked that `model_size` divides
+    `shape[model_dim]` and that a stacked leaf is not split along its layer axis."""
+    if not layout.sharded or model_dim is None or model_size == 1:
+        whole = dataclasses.replace(layout, model_dim=None, model_size=1)
+        return with_devices(whole, num_devices, version=version)
+    split = dataclasses.replace(layout, model_dim=model_dim, model_size=model_size)
+    return with_devices(split, num_devices, version=version)
+
+
+def param_layouts(params: Any, num_devices: int) -> Any:
+    """Pytree of `LeafLayout`s matching `params`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: leaf_layout(jax.tree_util.keystr(p), x, num_devices), params
+    )
+
+
+def is_layout(x: Any) -> bool:
+    return isinstance(x, LeafLayout)
+
+
+def _split_model(x: jax.Array, layout: LeafLayout, lead: int) -> jax.Array:
+    """`x` in the original shape -> its `K` model slices, each flattened: `(K, slice
+    values)`, or, for a stacked leaf (`lead` 1), `(layers, K, one layer's slice values)`."""
+    d, k = layout.model_dim, layout.model_size
+    shape = x.shape
+    x = x.reshape(*shape[:d], k, shape[d] // k, *shape[d + 1 :])
+    x = jnp.moveaxis(x, d, lead)
+    return x.reshape(*x.shape[: lead + 1], -1)
+
+
+def _join_model(x: jax.Array, layout: LeafLayout, layer: bool) -> jax.Array:
+    """Inverse of `_split_model`: `(K, slice values)` (or `(layers, K, ...)` for a whole
+    stacked leaf; `layer`: one layer) -> the original (or one layer's) shape."""
+    lead = 1 if layout.stacked and not layer else 0
+    shape = layout.shape[1:] if layer else layout.shape
+    sliced = list(layout.slice_shape[1:] if layer else layout.slice_shape)
+    d = layout.model_dim - (1 if layer else 0)
+    x = x.reshape(*x.shape[: lead + 1], *sliced[lead:])
+    x = jnp.moveaxis(x, lead, d)
+    return x.reshape(shape)
+
+
+def to_master(x: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Original leaf -> stored leaf (float32, padded) for sharded leaves; as-is otherwise."""
+    if not layout.sharded:
+        return jnp.asarray(x)
+    x = jnp.asarray(x, jnp.float32)
+    if layout.tensor_parallel:
+        x = _split_model(x, layout, 1 if layout.stacked else 0)
+    return resize_padding(x, layout)
+
+
+def from_master(x: jax.Array, layout: LeafLayout, dtype: Any = None) -> jax.Array:
+    """Stored leaf -> original shape, in `dtype` (default: the original dtype)."""
+    if layout.sharded:
+        if layout.tensor_parallel:
+            x = _join_model(x[..., : layout.cols], layout, False)
+        else:
+            axis = layout.padded_axis
+            x = lax.slice_in_dim(x, 0, layout.shape[axis], axis=axis)
+    return x.astype(layout.dtype if dtype is None else dtype)
+
+
+def resize_padding(x: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Crops or zero-pads the padded axis of `x` (a stored leaf, e.g. padded for another
+    mesh) to `layout`'s padding."""
+    axis = layout.padded_axis % x.ndim
+    want, have = layout.padded_length, x.shape[axis]
+    if have == want:
+        return x
+    if have > want:
+        return lax.slice_in_dim(x, 0, want, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, want - have)
+    return jnp.pad(x, pad)
+
+
+def join_blocks(x: jax.Array, layout: LeafLayout, lead: int) -> jax.Array:
+    """Every device's block, `(N, *lead dims, *block_shape)` (`lead` leading axes kept
+    whole, e.g. a stacked leaf's layers), -> the padded rows they are blocks of, `(*lead
+    dims, *padded_row_shape)`. Not tensor-parallel."""
+    at = lead + layout.axis
+    x = jnp.moveaxis(x, 0, at)
+    return x.reshape(*x.shape[:at], x.shape[at] * x.shape[at + 1], *x.shape[at + 2 :])
+
+
+def split_blocks(x: jax.Array, layout: LeafLayout, lead: int, num_devices: int) -> jax.Array:
+    """Inverse of `join_blocks`: `(*lead dims, *padded_row_shape)` -> `(N, *lead dims,
+    *block_shape)`."""
+    at = lead + layout.axis
+    x = x.reshape(*x.shape[:at], num_devices, x.shape[at] // num_devices, *x.shape[at + 1 :])
+    return jnp.moveaxis(x, at, 0)
+
+
+def unpiece(
+    full: jax.Array, layout: LeafLayout, num_devices: int, layer: bool = False
+) -> jax.Array:
+    """A gathered leaf in piece order -> its original shape (per device, inside shard_map).
+
+    Args:
+      full: `(num_devices * piece,)`, every device's piece in partition order (what the
+        collectives return for a flattened shard).
+      layout: the leaf's layout.
+      num_devices: devices the leaf is sharded over.
+      layer: `full` is one slice along axis 0 of a stacked leaf (a scan's layer) rather
+        than the whole leaf.
+
+    Returns:
+      The leaf in its original shape (`layout.shape[1:]` for a layer). A tensor-parallel
+      leaf's `full` is `(K, num_devices * piece)`, one row per `model` slice.
+    """
+    if layout.tensor_parallel:
+        k = layout.model_size
+        if layout.stacked and not layer:
+            x = full.reshape(k, num_devices, layout.lead, layout.padded // num_devices)
+            x = jnp.swapaxes(x, 1, 2).reshape(k, layout.lead, layout.padded)
+            return _join_model(jnp.swapaxes(x[..., : layout.cols], 0, 1), layout, False)
+        return _join_model(full[:, : layout.cols], layout, layer)
+    lead = (layout.lead,) if layout.stacked and not layer else ()
+    x = join_blocks(
+        full.reshape(num_devices, *lead, *layout.block_shape(num_devices)), layout, len(lead)
+    )
+    at = len(lead) + layout.axis
+    x = lax.slice_in_dim(x, 0, layout.row_shape[layout.axis], axis=at)
+    return x.reshape(layout.shape[1:] if layer else layout.shape)
+
+
+def piece(shard: jax.Array, layout: LeafLayout) -> jax.Array:
+    """A device's stored shard -> the piece its collectives gather (per device, inside
+    shard_map): flattened, or, tensor-parallel, `(K, values)` with the `model` axis kept
+    first (a stacked leaf's layers moved behind it)."""
+    if not layout.tensor_parallel:
+        return shard.reshape(-1)
+    if shard.ndim == 3:
+        shard = jnp.swapaxes(shard, 0, 1)
+    return shard.reshape(shard.shape[0], -1)
+
+
+def pieces_to_stored(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
+    """`(padded_size,)` in piece order (a reference, a missing mass) -> the stored shape.
+    A tensor-parallel leaf's pieces are `(K, values)`: reshaped as they are."""
+    if layout.tensor_parallel:
+        return x.reshape(layout.stored_shape)
+    lead = (layout.lead,) if layout.stacked else ()
+    blocks = x.reshape(num_devices, *lead, *layout.block_shape(num_devices))
+    return join_blocks(blocks, layout, len(lead))
+
+
+def island_shard(shard: jax.Array, layout: LeafLayout) -> jax.Array:
+    """A device's stored shard as the island works on it (per device, inside shard_map): a
+    stacked leaf's `(layers, padded rows / N, ...)` flattened per layer, `(layers, C / N)`
+    (a bitcast); every other shard as it is."""
+    if layout.stacked and not layout.tensor_parallel:
+        return shard.reshape(shard.shape[0], -1)
+    return shard
+
+
+def stored_to_pieces(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
+    """Inverse of `pieces_to_stored`."""
+    if layout.tensor_parallel:
+        return x.reshape(-1)
+    lead = 1 if layout.stacked else 0
+    return split_blocks(x, layout, lead, num_devices).reshape(-1)
+
+
+def layer_of_pieces(x: jax.Array, layers: int, piece: int, layer: Any) -> jax.Array:
+    """One layer's values of per-device pieces of a stacked leaf laid end to end.
+
+    A stacked leaf's piece holds its `layers` per-layer pieces of `piece` values one after
+    another (`(layers, piece)` flattened); `x` is `k` such pieces, `(k * layers * piece,)`
+    (a gathered leaf, a gradient residual). Returns that layer's `(k * piece,)`: its piece
+    of each of the `k`, in order, what the same values of the one layer would be. Per
+    device, inside shard_map; `layer` may be traced.
+    """
+    per = x.reshape(-1, layers, piece)
+    return lax.dynamic_index_in_dim(per, layer, axis=1, keepdims=False).reshape(-1)
+
+
+def pieces_of_layers(stack: jax.Array, piece: int) -> jax.Array:
+    """Inverse of `layer_of_pieces` over all layers: `(layers, k * piece)`, each layer's
+    values in order, -> `(k * layers * piece,)`."""
+    return jnp.swapaxes(stack.reshape(stack.shape[0], -1, piece), 0, 1).reshape(-1)
+
+
+def leaf_spec(layout: LeafLayout) -> P:
+    """The `PartitionSpec` of a stored leaf."""
+    if not layout.sharded:
+        return REPLICATED
+    if layout.tensor_parallel:
+        return P(None, MODEL_AXIS, DP_AXES) if layout.stacked else P(MODEL_AXIS, DP_AXES)
+    return P(*([None] * layout.padded_axis), DP_AXES)
+
+
+def manual_spec(layout: LeafLayout) -> P:
+    """The `PartitionSpec` of a stored leaf over the island's manual axes (`node`,
+    `local`) only; the `model` axis is left to XLA."""
+    spec = leaf_spec(layout)
+    return P(*(None if s == MODEL_AXIS else s for s in spec))
+
+
+def gathered_spec(layout: LeafLayout, layer: bool = False) -> P | None:
+    """How a gathered tensor-parallel weight is split over `model` (in its original shape,
+    or one layer's); None for a leaf not split over it."""
+    if not layout.tensor_parallel:
+        return None
+    rank = len(layout.shape) - (1 if layer else 0)
+    dims: list[Any] = [None] * rank
+    dims[layout.model_dim - (1 if layer else 0)] = MODEL_AXIS
+    return P(*dims)
+
+
+def param_shardings(layouts: Any, mesh: Mesh) -> Any:
+    """`NamedSharding` per stored leaf."""
+    return jax.tree_util.tree_map(
+        lambda lo: NamedSharding(mesh, leaf_spec(lo)), layouts, is_leaf=is_layout
+    )
+
+
+def param_count(layouts: Any) -> int:
+    """Number of values in the original parameters (float and non-float)."""
+    leaves = jax.tree_util.tree_leaves(layouts, is_leaf=is_layout)
+    return sum(lo.size for lo in leaves)
