@@ -37,8 +37,7 @@ def machine_line() -> str:
     """Date, platform, CPU count, jax version and devices, then the code (`source_version`)
     and the package versions: the head of every output."""
     import jax
-
-    from zeropp_jax.measure._provenance import package_versions
+    from _library import package_versions
 
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     packages = ", ".join(f"{k} {v}" for k, v in package_versions().items() if k != "jax")
@@ -51,7 +50,7 @@ def machine_line() -> str:
 
 def source_version() -> str:
     """`commit <short hash>`, plus the paths that differ from it when the tree is dirty."""
-    from zeropp_jax.measure._provenance import describe, provenance
+    from _library import describe, provenance
 
     return describe(provenance())
 

@@ -255,11 +255,11 @@ def _build_one_device(apply_fn, params, tx, abstract, donate):
 
 def _build_xla(engine, apply_fn, params, tx, mesh, overrides, abstract, donate):
     import jax
+    from _library import BATCH_SPEC
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from zeropp_jax import baselines
-    from zeropp_jax.state._partition import BATCH_SPEC
 
     state = baselines.xla_fsdp_state(
         apply_fn=apply_fn, params=params, tx=tx, mesh=mesh, abstract=abstract, **overrides

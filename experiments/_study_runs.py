@@ -22,8 +22,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import _common
-
-from zeropp_jax.measure._provenance import describe, provenance, same_code
+from _library import describe, provenance, same_code
 
 CODE = provenance()
 """The code of this process: a finished run is reused only if it ran the same."""

@@ -67,10 +67,10 @@ def _build(variant: str, size: str, mesh_shape: tuple[int, int], seq: int):
     `make_step()` returns a fresh, untraced step."""
     import jax
     import jax.numpy as jnp
+    from _library import BATCH_SPEC
     from jax.sharding import NamedSharding
 
     import zeropp_jax as zpp
-    from zeropp_jax.state._partition import BATCH_SPEC
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args
     from zeropp_jax.train.model import GPT, init_fn
@@ -139,7 +139,7 @@ def xla_timers(log: str) -> dict:
 def hlo_sizes(lowered_text: str, compiled_text: str) -> tuple[dict, dict, dict]:
     """Sizes of the lowered StableHLO and the compiled HLO; and the compiled instructions
     counted by opcode and by the file and function of their innermost stack frame."""
-    from zeropp_jax.measure import _hlo_text as hlo_text
+    from _library import hlo_text
 
     module = hlo_text.parse_hlo_module(compiled_text)
     instructions = [i for comp in module.computations.values() for i in comp]

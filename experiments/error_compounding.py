@@ -46,8 +46,8 @@ import _common
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _library import rotation  # noqa: E402
 
-from zeropp_jax.wire import _rotation as rotation  # noqa: E402
 from zeropp_jax.wire import quant
 
 DISTRIBUTIONS = ("gaussian", "student_t3", "outliers")

@@ -117,9 +117,7 @@ def rows(plans: list[Plan]) -> list[dict[str, str]]:
         each("modules (public / private)", lambda p: _split(p.modules.values())),
         each("packages", lambda p: len(p.modules)),
     ]
-    out += [
-        each(f"  in {k}", lambda p, k=k: _split([p.modules.get(k, (0, 0))])) for k in packages
-    ]
+    out += [each(f"  in {k}", lambda p, k=k: _split([p.modules.get(k, (0, 0))])) for k in packages]
     out += [
         each("library lines", lambda p: p.lines),
         each(f"functions over {LONG} lines", lambda p: p.over_long),

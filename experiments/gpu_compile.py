@@ -222,9 +222,9 @@ def build_step(engine: str, model: str, mesh: Any) -> Step:
     AdamW chain), from shapes, with its memory estimates."""
     import jax
     import jax.numpy as jnp
+    from _library import BATCH_SPEC
     from jax.sharding import NamedSharding
 
-    from zeropp_jax.state._partition import BATCH_SPEC
     from zeropp_jax.train import plan
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args
@@ -427,7 +427,7 @@ def flags_study(gpu: str) -> list[dict[str, Any]]:
     lowered = step.fn.lower(step.state, step.batch)
 
     def signature(compiled) -> tuple:
-        from zeropp_jax.measure import _hlo_text as hlo_text
+        from _library import hlo_text
 
         module = hlo_text.parse_hlo_module(compiled.as_text())
         return tuple(

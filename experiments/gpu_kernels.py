@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _library import rotation  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-from zeropp_jax.wire import _rotation as rotation  # noqa: E402
 from zeropp_jax.wire import quant  # noqa: E402
 
 MIB = 1 << 20

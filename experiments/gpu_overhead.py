@@ -73,9 +73,9 @@ def build_step(engine: str, mesh: Any, argv: list[str] | None = None) -> tuple[A
     builds them, from shapes (the trainer's flags `argv`; None: `trainer_argv()`)."""
     import jax
     import jax.numpy as jnp
+    from _library import BATCH_SPEC
     from jax.sharding import NamedSharding
 
-    from zeropp_jax.state._partition import BATCH_SPEC
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args
     from zeropp_jax.train.model import GPT, init_fn
@@ -174,7 +174,7 @@ def elements(shape: str) -> int:
 
 def nbytes(shape: str) -> int:
     """Bytes of every array in an HLO shape (a tuple's summed; tokens none)."""
-    from zeropp_jax.measure._hlo_text import array_shapes
+    from _library import array_shapes
 
     return sum(b for _, b in array_shapes(shape))
 
@@ -297,7 +297,7 @@ def kind_of(module: Any, ins: Any) -> str:
 
 def kernels(text: str) -> list[Kernel]:
     """Every kernel of a compiled program's HLO text (see `Kernel`)."""
-    from zeropp_jax.measure import _hlo_text as hlo_text
+    from _library import hlo_text
 
     module = hlo_text.parse_hlo_module(text)
     shapes = {(c, i.name): i.shape for c, ins in module.computations.items() for i in ins}
@@ -347,7 +347,7 @@ def kernels(text: str) -> list[Kernel]:
 def static_counts(text: str) -> dict[str, int]:
     """Instructions in the program text: top-level fusions, custom-calls, copies, loops;
     and inside fusions, the opcodes that move or reshape data."""
-    from zeropp_jax.measure import _hlo_text as hlo_text
+    from _library import hlo_text
 
     module = hlo_text.parse_hlo_module(text)
     fused = set()
@@ -393,9 +393,9 @@ WEIGHT_PATH = (
     "zeropp_jax/state/_partition.py",
     "zeropp_jax/wire/collectives.py",
     "zeropp_jax/wire/quant.py",
-    "zeropp_jax/wire/_reductions.py",
+    "zeropp_jax/wire/reductions.py",
     "zeropp_jax/interpreter/_island.py",
-    "zeropp_jax/wire/_kernels.py",
+    "zeropp_jax/wire/kernels.py",
     "pallas_kernels/",
     "zeropp_jax/baselines.py:cast_floats",
 )
@@ -434,7 +434,7 @@ ORIGINS = {
     "pallas": Origin(
         "qwZ quantize / dequantize (Pallas) where nothing is sent",
         "`zeropp_jax/wire/_weight_gather.py:secondary_wire` and `gather_from` through the "
-        "Pallas codec (`zeropp_jax/wire/_kernels.py`), per use in `placement.py:_at_use` and once "
+        "Pallas codec (`zeropp_jax/wire/kernels.py`), per use in `placement.py:_at_use` and once "
         "for the tied embedding (`_shared`)",
         "skip the codec for a gather whose group is one device (a data-parallel size of 1): "
         "nothing is sent, so quantizing only loses precision and costs passes; record it "

@@ -47,7 +47,7 @@ def minimal_hlo(text: str) -> str:
     read, for small test fixtures: the source-location tables, the bodies of fused
     computations and reducers, and the metadata and backend configs of every instruction
     but collectives, loops and calls are dropped; the schedule order is kept."""
-    from zeropp_jax.measure import _hlo_text as hlo_text
+    from _library import hlo_text
 
     drop = set(re.findall(r" fusion\(.*?calls=%([\w.\-]+)", text))
     drop |= set(re.findall(r"to_apply=%([\w.\-]+)", text))
@@ -91,8 +91,7 @@ class Precompiled:
 
 def axes_of(collective: Any, mesh: Any) -> str:
     """`node`, `local`, `node+local` (or `-` when no data moves) for a collective."""
-    from zeropp_jax.measure._groups import group_axes
-    from zeropp_jax.measure._hlo_text import parse_replica_groups
+    from _library import group_axes, parse_replica_groups
 
     if collective.op == "collective-permute":
         pairs = parse_replica_groups(collective.replica_groups or "{}", 0)
@@ -112,7 +111,7 @@ def wire_text(collectives: list, mesh: Any) -> str:
 
 def gather_bytes(gathers: list) -> str:
     """Operand bytes per device of the gathers by dtype, in MB (each instruction once)."""
-    from zeropp_jax.measure._hlo_text import array_shapes
+    from _library import array_shapes
 
     by: dict[str, int] = collections.defaultdict(int)
     for g in gathers:
@@ -155,8 +154,7 @@ def most_in_flight(module: Any, collectives: list) -> int:
 
 def read_program(compiled: Any, mesh: Any) -> dict[str, Any]:
     """What the compiled step runs: collectives, their overlap, per loop."""
-    from zeropp_jax.measure import _hlo_text as hlo_text
-    from zeropp_jax.measure._phases import phase_of
+    from _library import hlo_text, phase_of
 
     module = hlo_text.parse_hlo_module(compiled.as_text())
     collectives = hlo_text.scheduled_collectives(module)
@@ -238,7 +236,7 @@ def saved_in_flight(folder: pathlib.Path, row: dict[str, Any]) -> int:
     """`most_in_flight` of a row's program saved by `--save-hlo`."""
     import gzip
 
-    from zeropp_jax.measure import _hlo_text as hlo_text
+    from _library import hlo_text
 
     slug = "_".join((SLUGS[row["engine"]], row["model"], row["mesh"], row["flags"], row["gpu"]))
     path = folder / f"{slug}.hlo.gz"

@@ -48,10 +48,10 @@ def measure(engine: str, argv: list[str], steps: int, mesh) -> dict:
     """One engine's compiled step: memory per device, step times, ledger (MB)."""
     import jax
     import jax.numpy as jnp
+    from _library import BATCH_SPEC
     from jax.sharding import NamedSharding
 
     import zeropp_jax as zpp
-    from zeropp_jax.state._partition import BATCH_SPEC
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args
     from zeropp_jax.train.model import GPT, init_fn

@@ -52,9 +52,9 @@ def worker(argv: list[str]) -> None:
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import zeropp_jax as zpp
-    from zeropp_jax.state._partition import BATCH_SPEC
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args
     from zeropp_jax.train.model import GPT, init_fn
@@ -63,7 +63,9 @@ def worker(argv: list[str]) -> None:
         args = parse_args(MODELS[model])
         gpt = gpt_config(args)
         mesh = zpp.make_mesh(2, 4, devices=jax.devices()[:8])
-        spec = NamedSharding(mesh, BATCH_SPEC)
+        # The batch over all devices, node-major: spelled here, not imported, since the
+        # copy of another commit may keep its layout module elsewhere.
+        spec = NamedSharding(mesh, P(("node", "local")))
         batch = jax.ShapeDtypeStruct((args.batch, gpt.seq_len + 1), jnp.int32, sharding=spec)
         for engine in ENGINES:
             config = zpp.ZeroPPConfig.zero3() if engine == "ZeRO-3" else zpp.ZeroPPConfig()

@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         how = "as installed, no backports"
     where = pathlib.Path(maxtext.__file__).parent
     model, params, names = build(maxtext, args.param_scan_axis)
-    from zeropp_jax.interpreter import _placement as placement
+    from _library import placement
 
     runs = {tx: run(model, params, tx) for tx in ("sgd", "adam")}
     ledger = runs["sgd"]["ledger"]

@@ -68,11 +68,10 @@ def measure(
     row's `estimate_GB`, nothing compiled)."""
     import jax
     import jax.numpy as jnp
+    from _library import BATCH_SPEC, choices
     from jax.sharding import NamedSharding
 
     import zeropp_jax as zpp
-    from zeropp_jax import _choices as choices
-    from zeropp_jax.state._partition import BATCH_SPEC
     from zeropp_jax.train import fit, plan
     from zeropp_jax.train.cli import make_optimizer, train_step
     from zeropp_jax.train.flags import gpt_config, parse_args

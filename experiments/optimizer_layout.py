@@ -31,9 +31,9 @@ request_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from _library import partition as part  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
-from zeropp_jax.state import _partition as part  # noqa: E402
 from zeropp_jax.train import cli, optimizers  # noqa: E402
 from zeropp_jax.train.flags import gpt_config, parse_args  # noqa: E402
 from zeropp_jax.train.model import GPT, init_fn, param_count  # noqa: E402

@@ -41,9 +41,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _library import constrain_to_batch  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
-from zeropp_jax._activation_sharding import constrain_to_batch  # noqa: E402
 from zeropp_jax.wire import quant  # noqa: E402
 
 BASELINES = ("XLA FSDP", "ZeRO-3")

@@ -31,9 +31,8 @@ from collections.abc import Sequence
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _common import RESULTS, machine_line, write_table
-
-from zeropp_jax.measure import _stored_share as stored_share  # noqa: E402
-from zeropp_jax.state import _partition as part  # noqa: E402
+from _library import partition as part  # noqa: E402
+from _library import stored_share  # noqa: E402
 
 MIB = 2**20
 

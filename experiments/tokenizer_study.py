@@ -34,8 +34,7 @@ import tempfile
 import time
 
 from _common import RESULTS, machine_line, markdown_table, request_cpu_devices, write_csv
-
-from zeropp_jax.measure._provenance import describe, provenance, same_code
+from _library import describe, provenance, same_code
 
 request_cpu_devices(8)  # what the trainer runs on (for the machine line)
 
@@ -92,7 +91,7 @@ def _val_curve(run: pathlib.Path) -> dict[int, float]:
 
 def _changed_files(a: str, b: str) -> list[str]:
     """The files that differ between two commits of this checkout."""
-    from zeropp_jax.measure._provenance import SOURCE
+    from _library import SOURCE
 
     diff = ["git", "-C", str(SOURCE), "diff", "--name-only", a, b]
     return subprocess.run(diff, capture_output=True, text=True, check=True).stdout.split()

@@ -72,9 +72,9 @@ _common.request_cpu_devices(8)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from _library import BATCH_SPEC  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
-from zeropp_jax.state._partition import BATCH_SPEC  # noqa: E402
 from zeropp_jax.train.model import GPT, PRESETS, GPTConfig, init_fn, loss_fn  # noqa: E402
 
 ENGINES = ("xla_fsdp", "zero3", "zeropp")

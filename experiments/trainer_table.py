@@ -25,7 +25,7 @@ from _common import RESULTS, machine_line, markdown_table, request_cpu_devices, 
 
 request_cpu_devices(8)  # what the trainer runs on (for the machine line)
 
-from zeropp_jax.measure._provenance import describe  # noqa: E402
+from _library import describe  # noqa: E402
 
 ENGINES = {name: _engines.lookup(name).flag for name in ("ZeRO++", "ZeRO-3", "XLA FSDP")}
 """Each engine's display name and its `zeropp-train --engine` value."""

@@ -47,10 +47,10 @@ _common.request_cpu_devices(8)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _library import PARTS  # noqa: E402
 
 import zeropp_jax as zpp  # noqa: E402
 from zeropp_jax import baselines  # noqa: E402
-from zeropp_jax.measure._ledger import PARTS  # noqa: E402
 from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn  # noqa: E402
 
 QUANTIZED_DTYPES = ("int8", "uint8")

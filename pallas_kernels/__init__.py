@@ -8,7 +8,7 @@ however either side contracts `acc + q * scale` into FMAs, because every product
 (scales have at most 16 significant bits; see `_planes.dequantize_sum_fine_planes`).
 
 A leaf package: it imports only jax and numpy. The four block functions are what the
-collectives call (`zeropp_jax.wire._kernels.pallas_codec` bundles them); `quantize_blockwise` and
+collectives call (`zeropp_jax.wire.kernels.pallas_codec` bundles them); `quantize_blockwise` and
 `dequantize_blockwise` quantize a whole array, as the reference's functions of those names.
 `trace_for_gpu` and `shard_map_mesh` lower the compiled kernels for a GPU on a machine
 without one (see `_target.py`).

@@ -25,14 +25,14 @@ EXTENSION_POINTS = (
     # The collectives, for your own `jax.shard_map`.
     "zeropp_jax.wire.collectives.all_gather_quantized",
     "zeropp_jax.wire.collectives.hierarchical_all_gather",
-    "zeropp_jax.wire._reductions.reduce_scatter_quantized",
-    "zeropp_jax.wire._reductions.two_hop_reduce_scatter",
-    "zeropp_jax.wire._reductions.TwoHop",
+    "zeropp_jax.wire.reductions.reduce_scatter_quantized",
+    "zeropp_jax.wire.reductions.two_hop_reduce_scatter",
+    "zeropp_jax.wire.reductions.TwoHop",
     # The codec they quantize with.
     "zeropp_jax.wire.quant.Codec",
 )
 """The extension points the page promises, each with a `###` heading."""
-EXTENSION_HELPERS = ("zeropp_jax.wire.quant.XLA_CODEC", "zeropp_jax.wire._kernels.pallas_codec")
+EXTENSION_HELPERS = ("zeropp_jax.wire.quant.XLA_CODEC", "zeropp_jax.wire.kernels.pallas_codec")
 """The codecs that are built, documented under `zeropp_jax.wire.quant.Codec`."""
 MODULE_ENTRY_POINTS = ("zeropp_jax.launch",)
 """Modules run as `python -m` (`python -m zeropp_jax.train` is `zeropp-train`)."""

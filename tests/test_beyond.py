@@ -15,9 +15,9 @@ import zeropp_jax as zpp
 from zeropp_jax import _choices as choices
 from zeropp_jax import make_mesh
 from zeropp_jax.wire import _encoding as wire
-from zeropp_jax.wire import _reductions as reductions
 from zeropp_jax.wire import collectives as C
 from zeropp_jax.wire import quant as Q
+from zeropp_jax.wire import reductions
 
 SCALE_ROUNDING = 1 + 2.0**-15  # scales are rounded up to 16 significant bits
 F32_SLACK = 2.0**-20  # relative float32 rounding of the arithmetic (as in test_collectives)

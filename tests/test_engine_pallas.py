@@ -18,9 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
 from zeropp_jax import _choices as choices
-from zeropp_jax.wire import _kernels as kernels
-from zeropp_jax.wire import _reductions as reductions
 from zeropp_jax.wire import collectives as C
+from zeropp_jax.wire import kernels, reductions
 from zeropp_jax.wire.quant import XLA_CODEC
 
 PALLAS = kernels.pallas_codec(interpret=True)

@@ -345,7 +345,7 @@ def test_layout_memory_extracts_the_package_of_a_commit(tmp_path):
     import layout_memory as lm
 
     short = lm.extract("HEAD", tmp_path)
-    assert short and (tmp_path / "zeropp_jax" / "partition.py").is_file()
+    assert short and (tmp_path / "zeropp_jax" / "__init__.py").is_file()
     assert not (tmp_path / "tests").exists()
     with pytest.raises(SystemExit, match="unknown models"):
         lm.main(["--models", "gpt,70b", "--out", str(tmp_path)])

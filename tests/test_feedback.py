@@ -19,7 +19,7 @@ from zeropp_jax.state import _partition as part
 from zeropp_jax.state import _residuals as R
 from zeropp_jax.state import _saved_layouts as L
 from zeropp_jax.wire import _feedback as F
-from zeropp_jax.wire import _reductions as reductions
+from zeropp_jax.wire import reductions
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
 ROWS, COLS = 3, 11

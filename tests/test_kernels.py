@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from zeropp_jax.wire import _kernels as kernels
-from zeropp_jax.wire import quant
+from zeropp_jax.wire import kernels, quant
 
 # The reference, jitted as the collectives run it (and so that each test compiles it once,
 # not op by op).

@@ -330,7 +330,7 @@ def test_gpu_script_smoke():
 
 
 def test_imports_nothing_from_zeropp_jax():
-    """`pallas_kernels` is a leaf: jax and numpy only (`zeropp_jax.wire._kernels` wraps it)."""
+    """`pallas_kernels` is a leaf: jax and numpy only (`zeropp_jax.wire.kernels` wraps it)."""
     code = (
         "import sys, pallas_kernels; print([m for m in sys.modules if m.startswith('zeropp_jax')])"
     )

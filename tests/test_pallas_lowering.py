@@ -23,7 +23,7 @@ from test_engine_pallas import Tiny
 import pallas_kernels as pk
 import zeropp_jax as zpp
 from zeropp_jax import _choices as choices
-from zeropp_jax.wire._kernels import pallas_codec
+from zeropp_jax.wire.kernels import pallas_codec
 from zeropp_jax.wire.quant import XLA_CODEC
 
 TRITON = "__gpu$xla.gpu.triton"

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax import make_mesh
 from zeropp_jax.wire import _encoding as wire
-from zeropp_jax.wire import _reductions as reductions
+from zeropp_jax.wire import reductions
 from zeropp_jax.wire.quant import qmax
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
@@ -191,7 +191,7 @@ def test_model_ranks_draw_different_rounding_noise():
 
 
 def test_two_hop_takes_a_spec_or_its_fields_not_both():
-    from zeropp_jax.wire._reductions import TwoHop
+    from zeropp_jax.wire.reductions import TwoHop
 
     spec = TwoHop(bits=4, block_size=64, node_bits=4, node_block_size=64)
     assert (

@@ -7,7 +7,7 @@ from _support import per_device, rand
 from test_engine import TX, Net, data, train_step
 
 import zeropp_jax as zpp
-from zeropp_jax.wire import _reductions as reductions
+from zeropp_jax.wire import reductions
 
 
 def poisoned(i):

@@ -15,11 +15,10 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from zeropp_jax import make_mesh
 from zeropp_jax.wire import _feedback as feedback
-from zeropp_jax.wire import _reductions as reductions
 from zeropp_jax.wire import _rotation as rotation
-from zeropp_jax.wire import quant
+from zeropp_jax.wire import quant, reductions
 from zeropp_jax.wire._encoding import effective_block_size
-from zeropp_jax.wire._kernels import pallas_codec
+from zeropp_jax.wire.kernels import pallas_codec
 
 EPS = 2.0**-24  # float32 unit roundoff
 SCALE_ROUNDING = 1 + 2.0**-15  # scales are rounded up to 16 significant bits

@@ -76,7 +76,7 @@ def resolve_codec(config: ZeroPPConfig, platform: str | None = None) -> Codec:
                     f"kernels, which tile blocks in powers of two, but {field}={size}; use a "
                     "power of two (64, 128, 256, 512) or kernels='xla'."
                 )
-    from zeropp_jax.wire._kernels import pallas_codec
+    from zeropp_jax.wire.kernels import pallas_codec
 
     return pallas_codec(interpret=kind == "pallas_interpret")
 

@@ -37,7 +37,7 @@ from zeropp_jax.state import _optimizer_view as optimizer_view
 from zeropp_jax.state import _partition as part
 from zeropp_jax.state import _residuals as R
 from zeropp_jax.state import _state_init as state_init
-from zeropp_jax.wire import _kernels as kernels
+from zeropp_jax.wire import kernels
 
 # ----------------------------------------------------------------------------- state
 

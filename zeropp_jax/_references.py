@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from zeropp_jax._choices import Plan
 from zeropp_jax.state import _partition as part
 from zeropp_jax.wire import _delta as delta
-from zeropp_jax.wire._kernels import shard_map_mesh
+from zeropp_jax.wire.kernels import shard_map_mesh
 
 
 def _reference_map(

@@ -102,8 +102,8 @@ def build(config_name: str, width: int, depth: int, batch: int, mesh, model_para
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from _library import constrain_to_batch
 
-    from zeropp_jax._activation_sharding import constrain_to_batch
     from zeropp_jax.train.data import batch_sharding, local_rows, make_global_batch
 
     class MLP(nn.Module):

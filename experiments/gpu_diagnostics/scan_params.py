@@ -7,8 +7,7 @@ num_carry; jax 0.11+: ft_in, ft_out), and what
 
 import jax
 import jax.numpy as jnp
-
-from zeropp_jax.interpreter import _jaxpr_compat as jaxpr_compat
+from _library import jaxpr_compat
 
 
 def f(c, xs):

@@ -33,7 +33,7 @@ from zeropp_jax.interpreter._leaf_gathers import (
 )
 from zeropp_jax.state import _partition as part
 from zeropp_jax.state import _residuals as R
-from zeropp_jax.wire._kernels import shard_map_mesh
+from zeropp_jax.wire.kernels import shard_map_mesh
 
 
 def _is_batch_leaf(x: Any) -> bool:

@@ -19,8 +19,8 @@ from zeropp_jax import _tensor_parallel as tensor_parallel
 from zeropp_jax.interpreter import _dataflow as dataflow
 from zeropp_jax.interpreter import _relayout as relayout
 from zeropp_jax.state import _partition as part
-from zeropp_jax.wire import _reductions as reductions
 from zeropp_jax.wire import _weight_gather as weight_gather
+from zeropp_jax.wire import reductions
 
 
 def per_leaf(values: list[Any], present: list[bool]) -> tuple[Any, ...]:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeropp_jax.wire import _reductions as reductions
+from zeropp_jax.wire import reductions
 
 
 def _check_residual(name: str, r: jax.Array | None, shape: tuple[int, ...], fmt) -> None:

@@ -22,7 +22,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zeropp_jax.wire import _feedback as feedback
 from zeropp_jax.wire._encoding import Format, to_wire
-from zeropp_jax.wire._reductions import TwoHop, flat_reduce_scatter, two_hop_reduce_scatter
 from zeropp_jax.wire.collectives import (
     flat_all_gather,
     gather_from_secondary,
@@ -30,6 +29,7 @@ from zeropp_jax.wire.collectives import (
     secondary_gather,
 )
 from zeropp_jax.wire.quant import XLA_CODEC, Codec
+from zeropp_jax.wire.reductions import TwoHop, flat_reduce_scatter, two_hop_reduce_scatter
 
 SECONDARY_NAME = "zeropp_secondary"
 """`checkpoint_name` of the hpZ secondary shard (quantized values and scales, or raw bits)."""

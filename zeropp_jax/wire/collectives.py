@@ -2,7 +2,7 @@
 
 Shapes: `x` is always the per-device array. A gather over a group of `G` devices turns a
 shard of shape `(rows, ...)` into `(G * rows, ...)`; the gradient reductions, which do the
-reverse, are in `zeropp_jax.wire._reductions`.
+reverse, are in `zeropp_jax.wire.reductions`.
 
 Partition layout. A parameter's leading dimension is split into `N = num_nodes * local_size`
 pieces with `PartitionSpec(('local', 'node'))`: device `(n, l)` holds piece `l * num_nodes +
