@@ -127,6 +127,21 @@ def _shard_bytes(lazies: Sequence[Lazy]) -> int:
     return sum(lz.shard.size * lz.shard.dtype.itemsize for lz in lazies)
 
 
+def _runner(eqn: Any, act_idx: Sequence[int], lazy_idx: Sequence[int]) -> use_vjp.Run:
+    """`eqn` as a function of its activations and its (gathered) weights, which fill its
+    inputs at `act_idx` and `lazy_idx`."""
+
+    def run_eqn(acts: Sequence[Any], weights: Sequence[jax.Array]) -> list[Any]:
+        merged: list[Any] = [None] * (len(act_idx) + len(lazy_idx))
+        for i, a in zip(act_idx, acts, strict=True):
+            merged[i] = a
+        for i, w in zip(lazy_idx, weights, strict=True):
+            merged[i] = w
+        return jaxpr_compat.bind(eqn, merged)
+
+    return run_eqn
+
+
 def _pull(
     run_eqn: use_vjp.Run,
     full: Callable[[list[jax.Array]], list[jax.Array]],
@@ -264,13 +279,7 @@ def _at_use(
     tie = ctx.tie if (ctx.prefetch and ctx.tie is not None) else own_tie
     ctx.tie = own_tie if own_tie is not None else ctx.tie
 
-    def run_eqn(acts: Sequence[Any], weights: Sequence[jax.Array]) -> list[Any]:
-        merged: list[Any] = [None] * len(invals)
-        for i, a in zip(act_idx, acts, strict=True):
-            merged[i] = a
-        for i, w in zip(lazy_idx, weights, strict=True):
-            merged[i] = w
-        return jaxpr_compat.bind(eqn, merged)
+    run_eqn = _runner(eqn, act_idx, lazy_idx)
 
     def flats(pieces, wires, states, alternate):
         return [
@@ -372,13 +381,7 @@ def _at_shared_use(
         {leaf: n + 1 for leaf, n, u in zip(leaves, nth, per_use, strict=True) if u}
     )
 
-    def run_eqn(acts, weights):
-        merged: list[Any] = [None] * len(invals)
-        for i, a in zip(act_idx, acts, strict=True):
-            merged[i] = a
-        for i, w in zip(lazy_idx, weights, strict=True):
-            merged[i] = w
-        return jaxpr_compat.bind(eqn, merged)
+    run_eqn = _runner(eqn, act_idx, lazy_idx)
 
     def full(flat):
         return [_full_weight(g, lz, f) for lz, f in zip(lazies, flat, strict=True)]
