@@ -156,13 +156,30 @@ def chosen_variants(
     return names
 
 
+def study_dir(name: str) -> pathlib.Path:
+    """The folder a study writes by default, `experiments/results/<name>/` (made).
+
+    `name` is the study's, usually its script's name: every results file lives in the
+    folder of the study that wrote it, and none at the top of `experiments/results/`.
+    """
+    path = RESULTS / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def study_dirs(
     out: pathlib.Path | None, quick: bool, name: str
 ) -> tuple[pathlib.Path, pathlib.Path]:
-    """A study's output folder and the folder of its runs, `<out>/<name>` (made): `out` is
-    the `--out` flag, by default `experiments/results/`, or `runs/<name>_quick` with
-    `--quick`."""
-    out = out or (ROOT / "runs" / f"{name}_quick" if quick else RESULTS)
+    """A study's output folder and the folder of its runs (made).
+
+    With the `--out` flag `out`, the tables go to `out` and the runs to `<out>/<name>`; with
+    `--quick`, to `runs/<name>_quick` and its `<name>`; by default both go to the study's
+    folder, `study_dir(name)`.
+    """
+    if out is None and not quick:
+        root = study_dir(name)
+        return root, root
+    out = out or ROOT / "runs" / f"{name}_quick"
     root = out / name
     root.mkdir(parents=True, exist_ok=True)
     return out, root

@@ -237,15 +237,13 @@ def _header(data: dict[str, dict], schedule: Schedule, argv: Sequence[str]) -> s
     )
 
 
-def _write(paths, text, missing, rows, runs, data, schedule, out, reference, title) -> None:
-    """The common end of a study's report: unfinished runs, the commands, then the
-    markdown, CSV and figure at `paths`."""
+def _write(paths, text, missing, rows, runs, data, schedule, root, reference, title) -> None:
+    """The common end of a study's report: unfinished runs, the commands (runs under
+    `root`), then the markdown, CSV and figure at `paths`."""
     if missing:
         text += "\nNot finished: " + "; ".join(missing) + ".\n"
     text += "\nCommands (from the repository root):\n\n```\n"
-    text += "\n".join(
-        f"python {' '.join(r.command(schedule, out / 'convergence' / r.path))}" for r in runs
-    )
+    text += "\n".join(f"python {' '.join(r.command(schedule, root / r.path))}" for r in runs)
     text += "\n```\n"
     _common.write_text(paths[0], text)
     if rows:
@@ -253,7 +251,9 @@ def _write(paths, text, missing, rows, runs, data, schedule, out, reference, tit
     plot_curves(runs, data, reference, paths[2], title)
 
 
-def write_main(out: pathlib.Path, runs, data, status, schedule, argv) -> list[pathlib.Path]:
+def write_main(
+    out: pathlib.Path, root: pathlib.Path, runs, data, status, schedule, argv
+) -> list[pathlib.Path]:
     rows = main_rows(runs, data)
     paths = [out / "convergence.md", out / "convergence.csv", out / "convergence.png"]
     text = _header(data, schedule, argv) + main_markdown(rows)
@@ -270,12 +270,20 @@ def write_main(out: pathlib.Path, runs, data, status, schedule, argv) -> list[pa
         if r.name not in {row["variant"] for row in rows}
     ]
     title = "ZeRO++ variants vs ZeRO-3: same seed, data, val batches"
-    _write(paths, text, missing, rows, runs, data, schedule, out, REFERENCE, title)
+    _write(paths, text, missing, rows, runs, data, schedule, root, REFERENCE, title)
     return paths
 
 
 def write_events(
-    out: pathlib.Path, runs, data, status, schedule, argv, bits: int, rotation: int | None = None
+    out: pathlib.Path,
+    root: pathlib.Path,
+    runs,
+    data,
+    status,
+    schedule,
+    argv,
+    bits: int,
+    rotation: int | None = None,
 ) -> list[pathlib.Path]:
     rows = event_rows(runs, data)
     stem = events_stem(bits, rotation)
@@ -308,5 +316,5 @@ def write_events(
         if r.injection.k not in {row["k"] for row in rows}
     ]
     title = f"k extra {bits}-bit gradient events (ZeRO-3)"
-    _write(paths, text, missing, rows, runs, data, schedule, out, "k0", title)
+    _write(paths, text, missing, rows, runs, data, schedule, root, "k0", title)
     return paths

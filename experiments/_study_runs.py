@@ -90,8 +90,8 @@ class Injection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Run:
-    """One training run of a study, trained into `<root>/<path>` (the convergence study's
-    root: `<out>/convergence/`)."""
+    """One training run of a study, trained into `<root>/<path>` (`root`: the study's runs
+    folder, `_common.study_dirs`)."""
 
     name: str
     label: str

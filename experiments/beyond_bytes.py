@@ -4,7 +4,7 @@
     python experiments/beyond_bytes.py --steps 300 --seeds 0        # the 0.45M sweep
     python experiments/beyond_bytes.py --d-model 256 --n-layers 6 --n-heads 8 \\
         --steps 2000 --seeds 0,1 --variants zero3,zeropp_delta2,beyond_d2,zeropp,zeropp_delta4 \\
-        --save-every 100 --budget-min 6000 --out experiments/results/beyond_4m8
+        --save-every 100 --budget-min 6000 --out experiments/results/beyond/beyond_4m8
                                                                    # the 4.8M study (hours)
 
 Trains the trainer's byte-level GPT (`zeropp-train`) on the Python standard library once
@@ -16,7 +16,8 @@ error feedback on the cross-node hop).
 
 Writes `beyond_bytes.csv` (one row per variant and seed: `variant, seed, commit,
 per_link_M, val_loss, zero3_val_loss, gap_pct`) and `beyond_bytes.md` into `--out`
-(default `experiments/results/`); runs under `<out>/beyond/seed<s>/<variant>`.
+(default `experiments/results/beyond/`); runs under `<out>/beyond/seed<s>/<variant>`, by
+default under `experiments/results/beyond/seed<s>/<variant>`.
 `per_link_M` is the ledger's bytes through each node's link per step (`summary.json`'s
 `link_M`, in units of M); `gap_pct` is the final validation loss over ZeRO-3's of the
 same seed and commit, minus 1, in percent. A finished run of the same command by the same
@@ -87,7 +88,7 @@ COLUMNS = ("variant", "seed", "commit", "per_link_M", "val_loss", "zero3_val_los
 FULL_STUDY = (
     "python experiments/beyond_bytes.py --d-model 256 --n-layers 6 --n-heads 8 --steps 2000 "
     "--seeds 0,1 --variants zero3,zeropp_delta2,beyond_d2,zeropp,zeropp_delta4 --save-every 100 "
-    "--budget-min 6000 --out experiments/results/beyond_4m8"
+    "--budget-min 6000 --out experiments/results/beyond/beyond_4m8"
 )
 """The issue's study: the 4.8M-parameter GPT, 2000 steps, two seeds (about 45 minutes per
 run on 2 CPU cores; a call cut short resumes its unfinished run from a checkpoint)."""

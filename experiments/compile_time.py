@@ -11,7 +11,7 @@ emulated CPU devices; each repeat clears jax's caches, builds a fresh step and t
 `TF_CPP_VMODULE=hlo_pass_pipeline=1,cpu_compiler=2` and reads XLA's timers from its log: the
 HLO passes (`hlo_passes_s`, and per pass) and the CPU backend (`backend_s`: `emit_s`, HLO to
 LLVM IR, one module per kernel, `kernel_modules` of them; `llvm_s`, LLVM to machine code).
-Writes `compile_time.{md,csv}` into `--out` (default `experiments/results`).
+Writes `compile_time.{md,csv}` into `--out` (default `experiments/results/compile_time/`).
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=2, help="compiles per variant (median)")
     p.add_argument("--variants", default="", help=f"comma-separated, of {list(VARIANTS)}")
     p.add_argument("--quick", action="store_true", help="tiny on 2 x 4, 128 tokens")
-    p.add_argument("--out", default=str(_common.RESULTS))
+    p.add_argument("--out", default=str(_common.study_dir("compile_time")))
     p.add_argument("--detail", help="a JSON file for each row's counts per pass, op, source")
     args = p.parse_args(argv)
     variants = _common.chosen_variants(p, args.variants, VARIANTS, DEFAULT)

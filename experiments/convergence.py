@@ -6,7 +6,7 @@ takes before the loss moves.
     python experiments/convergence.py --report-only    # rewrite the tables from finished runs
     python experiments/convergence.py --quick --study all --out /tmp/cv   # smoke run
     python experiments/convergence.py --d-model 256 --n-layers 6 --n-heads 8 --steps 2000 \
-        --variants zero3,xla_fsdp,zeropp,zeropp_delta4 --out experiments/results/large
+        --variants zero3,xla_fsdp,zeropp,zeropp_delta4 --out experiments/results/convergence/large
                                                        # 4.8M parameters (hours per run)
 
 (times on 2 shared CPU cores). `--seed`, `--variants`, `--ks`, `--events-bits` and
@@ -31,8 +31,9 @@ quantizes a different, growing sum). It reports the final validation loss per k 
 first k whose final loss is more than 1% above k = 0.
 
 Writes `convergence.{md,csv,png}` and `convergence_events.{md,csv,png}` into `--out`
-(default `experiments/results/`); runs, their `metrics.jsonl` and logs under
-`<out>/convergence/` (checkpoints are deleted after each run).
+(default `experiments/results/convergence/`); runs, their `metrics.jsonl` and logs under
+`<out>/convergence/`, or in `experiments/results/convergence/` itself by default
+(checkpoints are deleted after each run).
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs,
             schedule,
             root,
-            lambda data, status: write_main(out, runs, data, status, schedule, argv),
+            lambda data, status: write_main(out, root, runs, data, status, schedule, argv),
             deadline=start + 60 * args.budget_min,
             in_process=args.in_process,
             machine=machine,
@@ -263,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             root,
             lambda data, status: write_events(
                 out,
+                root,
                 runs,
                 data,
                 status,

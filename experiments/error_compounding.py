@@ -29,7 +29,7 @@ smaller N are the first rows of the largest N's. Quantization is `zeropp_jax.wir
 "how many events can training survive" study; see the TODO at the end of this file).
 
 Writes `error_compounding.{md,csv,png}` and `quantization_events.{md,csv}` into the output
-folder (default `experiments/results/`).
+folder (default `experiments/results/error_compounding/`).
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> tuple[list, list]:
     p.add_argument("--dists", default=",".join(DISTRIBUTIONS))
     p.add_argument("--max-k", type=int, default=64, help="largest k of the injected events")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=pathlib.Path, default=_common.RESULTS)
+    p.add_argument("--out", type=pathlib.Path, default=_common.study_dir("error_compounding"))
     args = p.parse_args(argv)
     ns = [2**i for i in range(1, int(math.log2(args.max_n)) + 1)]
     bits_list = [int(b) for b in args.bits.split(",")]

@@ -24,7 +24,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
-from _common import source_version, write_csv  # noqa: E402
+from _common import source_version, study_dir, write_csv  # noqa: E402
 
 DEFAULT_BEFORE = "24865af^"
 """The library when issue #51 was filed: 42 flat modules."""
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", default=DEFAULT_BEFORE)
     p.add_argument("--after", default=None, help="a commit; default: the working tree")
-    p.add_argument("--out-dir", default=str(ROOT / "experiments" / "results" / "floor_plan"))
+    p.add_argument("--out-dir", default=str(study_dir("floor_plan")))
     args = p.parse_args(argv)
     plans = [
         floor_plan(f"before ({args.before})", args.before),

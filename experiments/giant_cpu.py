@@ -8,7 +8,7 @@ Runs `zeropp-train --model 350m --seq-len 128 --batch 8 --remat full` (full ZeRO
 the unsharded tree) as a child process, and reports the loss of every step, the step time
 (the trainer's tokens/s, first step excluded), the wall time and the child's peak resident
 memory (`getrusage(RUSAGE_CHILDREN).ru_maxrss`: all 8 emulated devices live in that one
-process). Writes `giant_cpu.{md,csv}` into `--out` (default `experiments/results`).
+process). Writes `giant_cpu.{md,csv}` into `--out` (default `experiments/results/giant_cpu/`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--model", default="350m")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--quick", action="store_true", help="the tiny preset, 3 steps")
-    p.add_argument("--out", default=str(_common.RESULTS))
+    p.add_argument("--out", default=str(_common.study_dir("giant_cpu")))
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.steps = "tiny", 3

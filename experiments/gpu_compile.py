@@ -45,8 +45,8 @@ to overlap, which collectives it runs and in which width, and how much memory XL
 per GPU. It does not say how long anything takes; nothing here is turned into a time.
 
 Writes `gpu_compile.{csv,md}` (and with `--flags-study` `gpu_flags.{csv,md}`) into
-`--out` (default `experiments/results`). Each row names the jax and plugin that compiled
-it (`jax` column); `--merge` keeps the rows of other jax versions beside this run's.
+`--out` (default `experiments/results/gpu_compile/`). Each row names the jax and plugin
+that compiled it (`jax` column); `--merge` keeps the rows of other jax versions beside this run's.
 """
 
 from __future__ import annotations
@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-kernels", action="store_true", help="skip the Pallas kernels")
     p.add_argument("--kernels-only", action="store_true", help="only the Pallas kernels")
     p.add_argument("--flags-study", action="store_true", help="only the per-flag study")
-    p.add_argument("--out", type=pathlib.Path, default=_common.RESULTS)
+    p.add_argument("--out", type=pathlib.Path, default=_common.study_dir("gpu_compile"))
     p.add_argument("--name", default="gpu_compile")
     p.add_argument(
         "--save-hlo",

@@ -19,7 +19,7 @@ last compiled program are `compile_time.hlo_sizes`'.
 
 Needs the CUDA plugin of the installed jaxlib (see `gpu_compile.py`). Writes
 `gpu_compile_time.{md,csv}` (`--quick`: `gpu_compile_time_quick.{md,csv}`) into `--out`
-(default `experiments/results`).
+(default `experiments/results/gpu_compile_time/`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ import gpu_compile  # noqa: E402
 ENGINES = ("XLA FSDP", "ZeRO-3", "ZeRO++")
 """The engines timed, in the table's order (`gpu_program.ENGINES`' names)."""
 CPU_STUDIES = ("compile_time", "compile_time_before")
-"""The XLA:CPU results (`compile_time.py`'s, in `experiments/results`) the reading quotes."""
+"""The XLA:CPU results (`compile_time.py`'s, in `experiments/results/compile_time`) the reading
+quotes."""
 DETAIL = ("ops", "options")
 """A worker's keys that stay out of the table."""
 
@@ -158,7 +159,7 @@ def reading(rows: dict[str, dict]) -> str:
         f"fusions against {z3['fusions']}."
     )
     for name in CPU_STUDIES:
-        cpu = cpu_figures(_common.RESULTS, name)
+        cpu = cpu_figures(_common.RESULTS / "compile_time", name)
         if cpu is not None:
             text += f" XLA:CPU, {cpu['where']}: {ratios(cpu['compile_s'])}."
     return text + "\n"
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=2, help="compiles per engine (median)")
     p.add_argument("--engines", default="", help=f"comma-separated, of {list(ENGINES)}")
     p.add_argument("--quick", action="store_true", help="the trainer's GPT ('gpt') on 2 x 4")
-    p.add_argument("--out", type=pathlib.Path, default=_common.RESULTS)
+    p.add_argument("--out", type=pathlib.Path, default=_common.study_dir("gpu_compile_time"))
     args = p.parse_args(argv)
     engines = _common.chosen_variants(p, args.engines, ENGINES, ENGINES)
     if args.quick:

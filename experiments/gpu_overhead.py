@@ -27,7 +27,7 @@ Each kernel gets the origin its metadata names (`ORIGINS`: the innermost source 
 the `op_name`), and the tables compare the programs per origin and per source function.
 Schedules and bytes, not times: nothing here runs on a GPU.
 
-Writes `gpu_overhead.{md,csv}` into `--out` (default `experiments/results`).
+Writes `gpu_overhead.{md,csv}` into `--out` (default `experiments/results/gpu_overhead/`).
 """
 
 from __future__ import annotations
@@ -742,7 +742,7 @@ def report(head: str, per: dict[str, list[Kernel]], rows: dict[str, dict[str, An
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpu", default="h200", help="target config in experiments/gpu_targets")
-    p.add_argument("--out", type=pathlib.Path, default=_common.RESULTS)
+    p.add_argument("--out", type=pathlib.Path, default=_common.study_dir("gpu_overhead"))
     p.add_argument("--save-hlo", type=pathlib.Path, default=None, help="keep the programs here")
     p.add_argument("--hlo-from", type=pathlib.Path, default=None, help="read, do not compile")
     args = p.parse_args(argv)

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per engine")
     p.add_argument("--no-scan-layers", action="store_true", help="the trainer's --no-scan-layers")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated")
-    p.add_argument("--out", default=str(_common.RESULTS))
+    p.add_argument("--out", default=str(_common.study_dir("gpu_step")))
     args = p.parse_args(argv)
 
     import jax

@@ -133,7 +133,7 @@ def error_cells(errs: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hf", required=True, help="folder transformers 4.x is installed into")
-    p.add_argument("--out", default=str(_common.RESULTS))
+    p.add_argument("--out", default=str(_common.study_dir("hf_flax_probe")))
     args = p.parse_args(argv)
     machine = _common.machine_line()
     sys.path.insert(0, args.hf)

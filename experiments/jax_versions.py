@@ -63,7 +63,7 @@ def main() -> None:
     p.add_argument("--python", nargs="+", required=True, help="interpreters, one per jax line")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=pathlib.Path, default=_common.RESULTS / "jax_versions")
+    p.add_argument("--out", type=pathlib.Path, default=_common.study_dir("jax_versions"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -14,7 +14,7 @@ and ZeRO++ through `zpp.shard`, on a 2 x 4 mesh. No XLA flag other than the emul
 device count is set: XLA:CPU's default scheduler runs. Reports temp and argument bytes,
 the temp added per added layer in units of one layer's full bfloat16 weights, and the
 whole model's full bfloat16 weights. Compile only; no step runs. Writes
-`layer_memory{,_quick}.{md,csv}` into `--out` (default `experiments/results`).
+`layer_memory{,_quick}.{md,csv}` into `--out` (default `experiments/results/layer_memory/`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default="none",
         help="the GPT's remat policy, the same under every engine (none)",
     )
-    p.add_argument("--out", default=str(_common.RESULTS))
+    p.add_argument("--out", default=str(_common.study_dir("layer_memory")))
     args = p.parse_args(argv)
     machine = _common.machine_line()  # before this run writes anything into the tree
     d_model, depths = (64, (2, 4)) if args.quick else (512, (4, 8))

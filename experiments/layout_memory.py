@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from _common import RESULTS, ROOT, machine_line, worker_or_parent, worker_rows, write_table
+from _common import ROOT, machine_line, study_dir, worker_or_parent, worker_rows, write_table
 
 COMMITS = {
     "7e0b3d9": "1 (optimizer on flat storage)",
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--commits", default=",".join(COMMITS), help="commits, comma-separated")
     p.add_argument("--models", default=",".join(MODELS), help=f"of {sorted(MODELS)}")
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument("--out", type=pathlib.Path, default=study_dir("layout_memory"))
     args = p.parse_args(argv)
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:

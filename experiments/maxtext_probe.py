@@ -38,7 +38,7 @@ Backports, on Python < 3.12 only, applied at import time:
   * packages MaxText imports at module level but this model never calls (`STUBBED`) are
     stand-in modules.
 
-Writes `maxtext_probe.md` into `--out` (default `experiments/results`).
+Writes `maxtext_probe.md` into `--out` (default `experiments/results/maxtext_probe/`).
 """
 
 from __future__ import annotations
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--deps", default=None, help="folder with pydantic and omegaconf (Python 3.11)")
     p.add_argument("--param-scan-axis", type=int, default=1, help="MaxText's default: 1")
-    p.add_argument("--out", default=str(_common.RESULTS))
+    p.add_argument("--out", default=str(_common.study_dir("maxtext_probe")))
     args = p.parse_args(argv)
     if args.maxtext is None and importlib.util.find_spec("maxtext") is None:
         p.error(f"maxtext is not installed for {sys.executable}: give --maxtext FOLDER")

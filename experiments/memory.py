@@ -27,7 +27,7 @@ same step, lowered): M per device and per node link in one direction (M = the mo
 Each mesh runs in its own process with that many emulated CPU devices. No XLA flag
 other than the device count is set. Compile only.
 
-Writes `memory.{md,csv,png}` into `--out` (default `experiments/results`); with other
+Writes `memory.{md,csv,png}` into `--out` (default `experiments/results/memory/`); with other
 `--meshes`, `memory_<meshes>.{md,csv,png}`. With `--merge` the rows of the meshes, sizes
 and engines measured replace those already in that file and the others are kept (a long
 table measured in pieces, e.g. one submission per size); the header lists each piece's
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     p.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence (2048)")
     p.add_argument("--quick", action="store_true", help="tiny on 2 x 4, 128 tokens")
-    p.add_argument("--out", default=str(_common.RESULTS))
+    p.add_argument("--out", default=str(_common.study_dir("memory")))
     p.add_argument(
         "--reestimate",
         action="store_true",

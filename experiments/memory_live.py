@@ -15,7 +15,7 @@ updates do, sit at the same offset of the same allocation: the report lists them
 `memory_analysis()`'s total is the heap XLA lays those buffers out in (its size decides
 what a device must hold), plus the arguments.
 
-Writes `memory_live_<mesh>.{md,csv}` into `--out` (default `experiments/results`).
+Writes `memory_live_<mesh>.{md,csv}` into `--out` (default `experiments/results/memory_live/`).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--engines", default=",".join(ENGINES), help="engines, comma-separated")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (2048)")
     p.add_argument("--quick", action="store_true", help="tiny on 2 x 4, 128 tokens")
-    p.add_argument("--out", default=str(_common.RESULTS))
+    p.add_argument("--out", default=str(_common.study_dir("memory_live")))
     args = p.parse_args(argv)
     if args.quick:
         args.mesh, args.sizes, args.seq = "2x4", "tiny", 128

@@ -25,9 +25,10 @@ each with the same seed, data order and validation batches, per seed of `--seeds
 run is one `python -m zeropp_jax.train` process (`experiments/_study_runs.py`); a
 finished run of the same command by the same code is reused.
 
-Writes `muon_e2e.csv` and `muon_e2e.md` into `--out` (default `experiments/results/`),
-runs under `<out>/muon_e2e/s<seed>/<variant>`. `gap_pct` is a run's final validation loss
-over XLA FSDP's with the same optimizer and seed (same commit), minus 1, in percent.
+Writes `muon_e2e.csv` and `muon_e2e.md` into `--out`, runs under
+`<out>/muon_e2e/s<seed>/<variant>`; by default both into `experiments/results/muon_e2e/`
+(runs under its `s<seed>/<variant>`). `gap_pct` is a run's final validation loss over XLA
+FSDP's with the same optimizer and seed (same commit), minus 1, in percent.
 Bytes are per step, in units of M (the model in 16 bits), from the trainer's
 `summary.json`: the whole step's ledger (every collective, the optimizer update's
 included), ZeRO++ as compiled (its collectives are 16-bit or narrower as XLA:CPU runs

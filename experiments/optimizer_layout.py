@@ -25,7 +25,7 @@ import argparse
 import pathlib
 
 import _engines
-from _common import RESULTS, machine_line, request_cpu_devices, write_table
+from _common import machine_line, request_cpu_devices, study_dir, write_table
 
 request_cpu_devices(8)
 
@@ -72,7 +72,7 @@ def step_bytes(flags: list[str], optimizer: str, compiled: bool):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument("--out", type=pathlib.Path, default=study_dir("optimizer_layout"))
     p.add_argument("--no-compile", action="store_true", help="skip the compiled ledgers")
     args = p.parse_args(argv)
     models = {"trainer GPT (tiny, scanned)": [], "1.3b": ["--model", "1.3b"]}

@@ -31,7 +31,7 @@ import pathlib
 from collections.abc import Sequence
 
 import _engines
-from _common import RESULTS, machine_line, request_cpu_devices, write_table
+from _common import machine_line, request_cpu_devices, study_dir, write_table
 
 request_cpu_devices(8)
 
@@ -101,7 +101,7 @@ def row(optimizer: str, engine: str, flags: Sequence[str]) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated")
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument("--out", type=pathlib.Path, default=study_dir("optimizer_table"))
     args = p.parse_args(argv)
     wanted = args.optimizers.split(",")
     rows = []

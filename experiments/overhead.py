@@ -27,10 +27,10 @@ import time
 
 import _engines
 from _common import (
-    RESULTS,
     machine_line,
     markdown_table,
     request_cpu_devices,
+    study_dir,
     write_csv,
 )
 
@@ -189,7 +189,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=str(study_dir("overhead")))
     args = parser.parse_args(argv)
     sizes = [(256, 2, 16)] if args.quick else [(1024, 4, 64), (1536, 5, 64)]
     rounds = 2 if args.quick else args.rounds

@@ -8,7 +8,7 @@ metrics show step `--at` (plus a random 0-4 steps), sends SIGTERM, and measures 
 until the process has exited, then checks that it exited with status 3 and left a
 checkpoint of its last step. Step time: the median interval between consecutive steps as
 they appear in `metrics.jsonl`, watched every 5 ms. Writes `preemption_timing.md` and
-`.csv` into `--out` (default `experiments/results`).
+`.csv` into `--out` (default `experiments/results/preemption_timing/`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from _common import RESULTS, machine_line, markdown_table, request_cpu_devices, write_csv
+from _common import machine_line, markdown_table, request_cpu_devices, study_dir, write_csv
 
 request_cpu_devices(8)  # what the trainer runs on (for the machine line)
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--at", type=int, default=20, help="signal after about this step (20)")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(study_dir("preemption_timing")))
     p.add_argument("extra", nargs="*", help="zeropp-train flags, after --")
     args = p.parse_args(argv)
     machine = machine_line()

@@ -44,7 +44,7 @@ What is measured and what is assumed:
     message count) are ASSUMED GPT shapes with 12 * layers * hidden^2 ~ params.
 
 Calibration: `calibrate_link(csv)` fits the emulated two-node cluster's measured step
-times (`experiments/results/cluster.csv`, written by `experiments/cluster/run_cluster.py`)
+times (`experiments/results/cluster/cluster.csv`, written by `experiments/cluster/run_cluster.py`)
 to `step_s = fixed[config] + link_bytes * 8 / (efficiency * rate)`; the output shows the
 fit, and one more speedup column with the inter-node links at that efficiency (the main
 columns keep 1.0). `link_check` compares the bytes the model puts on the cluster's link
@@ -53,7 +53,7 @@ with the bytes measured there. Without the CSV the output says so.
 The cost model (cluster, step times, speedup rows) is in `_projection_model.py`; this
 script measures the volumes, rescales and calibrates them and writes the outputs.
 
-Writes `projection.{md,csv,png}` into the output folder (default `experiments/results/`).
+Writes `projection.{md,csv,png}` into the output folder (default `experiments/results/projection/`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ from _projection_model import (
     projection_rows,
 )
 
-DEFAULT_CSV = _common.RESULTS / "cluster.csv"
+DEFAULT_CSV = _common.RESULTS / "cluster" / "cluster.csv"
 
 
 # ------------------------------------------------------------------ measured volumes
@@ -183,7 +183,7 @@ def calibrate_link(path: pathlib.Path) -> dict[str, Any] | None:
 
     Args:
       path: the emulated cluster's CSV (`experiments/cluster/run_cluster.py` writes
-        `experiments/results/cluster.csv`): one row per measured (config, rate) with
+        `experiments/results/cluster/cluster.csv`): one row per measured (config, rate) with
         `config`, `rate` (Mbit/s per direction, or `inf` for an unshaped link), `step_s`,
         and the bytes per step on the link (`mb_node0_to_node1` and `mb_node1_to_node0`,
         or `link_mb_per_step`, or `link_bytes`).
@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--alpha-intra-us", type=float, default=Cluster.alpha_intra_us)
     p.add_argument("--cluster-csv", type=pathlib.Path, default=DEFAULT_CSV)
     p.add_argument("--no-rescale-check", action="store_true")
-    p.add_argument("--out", type=pathlib.Path, default=_common.RESULTS)
+    p.add_argument("--out", type=pathlib.Path, default=_common.study_dir("projection"))
     args = p.parse_args(argv)
     machine = _common.machine_line()
     print(f"projection: {machine}")

@@ -16,7 +16,7 @@ counts a loop's body once, whatever its trip count: compare rows, not totals). T
 nothing sharded), XLA's FSDP (`zeropp_jax.baselines`), our ZeRO-3 and ZeRO++ through
 `zpp.shard`, on a 2 x 4 mesh of emulated CPU devices; every engine runs the same policy.
 No XLA flag other than the device count. Writes `remat_table{,_quick}.{md,csv}` into
-`--out` (default `experiments/results`), with, per engine, `none`'s flops against
+`--out` (default `experiments/results/remat_table/`), with, per engine, `none`'s flops against
 `full`'s.
 """
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--remat", action="append", choices=REMAT, help="default: all three")
     p.add_argument("--engine", action="append", choices=COMPARED, help="default: all four")
     p.add_argument("--steps", type=int, default=6, help="steps timed per row (first dropped)")
-    p.add_argument("--out", default=str(_common.RESULTS))
+    p.add_argument("--out", default=str(_common.study_dir("remat_table")))
     args = p.parse_args(argv)
     machine = _common.machine_line()  # before this run writes anything into the tree
     base = dataclasses.replace(PRESETS["tiny"], scan=True)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _common import RESULTS, machine_line, write_table
+from _common import machine_line, study_dir, write_table
 from _library import partition as part  # noqa: E402
 from _library import stored_share  # noqa: E402
 
@@ -159,7 +159,7 @@ def rows_for(name: str, tree: dict, n: int) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", default="8,64,128,1024", help="comma-separated N")
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument("--out", type=pathlib.Path, default=study_dir("stored_share"))
     args = p.parse_args(argv)
     rows = [
         rows_for(name, make(), int(n))

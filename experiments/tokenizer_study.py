@@ -18,7 +18,8 @@ on the BPE's token files, both runs at once. Validation losses are given per tok
 bits per byte of the same validation text, so the two compare. `zeropp-sample --weights
 int8` and `int4` then score each final checkpoint with its block-quantized weights as qwZ
 gathers them, beside the float weights, and write a sample. Writes `tokenizer.md` and
-`tokenizer.csv` into `--out` (default `experiments/results`); the runs go to `--work`.
+`tokenizer.csv` into `--out` (default `experiments/results/tokenizer_study/`); the runs go
+to `--work`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 
-from _common import RESULTS, machine_line, markdown_table, request_cpu_devices, write_csv
+from _common import machine_line, markdown_table, request_cpu_devices, study_dir, write_csv
 from _library import describe, provenance, same_code
 
 request_cpu_devices(8)  # what the trainer runs on (for the machine line)
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument("--out", type=pathlib.Path, default=study_dir("tokenizer_study"))
     p.add_argument(
         "--work", type=pathlib.Path, default=None, help="run directories (reused when finished)"
     )

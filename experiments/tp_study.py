@@ -53,7 +53,7 @@ parameter left unsplit (here the position embedding, norms and row biases) is ga
 each of the K model ranks and so crosses the link K times.
 
 Writes `tp_study.md`, `tp_study.csv` and `tp_study.png` into the output folder (default
-`experiments/results/`).
+`experiments/results/tp_study/`).
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ def plot(measured: list[dict], modelled: list[dict], path: pathlib.Path) -> None
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(_common.RESULTS))
+    p.add_argument("--out", default=str(_common.study_dir("tp_study")))
     p.add_argument("--tp", default="1,2,4", help="TP sizes measured on 2 x 4 (1,2,4)")
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)

@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 import _engines
-from _common import RESULTS, machine_line, markdown_table, request_cpu_devices, write_csv
+from _common import machine_line, markdown_table, request_cpu_devices, study_dir, write_csv
 
 request_cpu_devices(8)  # what the trainer runs on (for the machine line)
 
@@ -56,7 +56,7 @@ def finish(proc: subprocess.Popen, out: pathlib.Path) -> tuple[dict, dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(study_dir("trainer_table")))
     p.add_argument(
         "--parallel",
         action="store_true",

@@ -25,8 +25,8 @@ M is the model in 16-bit bytes (2 bytes per parameter). A flat collective over N
 sends (N-1)/N of its data per device, so ZeRO-3 is 3 * 7/8 M here, not 3M.
 
 Writes `volume_table.md`, `volume_table.csv` and `volume_table.png` into the output
-folder (default `experiments/results/`). `volume_rows(...)` returns the rows as dicts for
-other code (tests, docs, `projection.py`).
+folder (default `experiments/results/volume_table/`). `volume_rows(...)` returns the rows
+as dicts for other code (tests, docs, `projection.py`).
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         help="comma list of DMODELxLAYERS@NODESxLOCAL (GPT size on mesh)",
     )
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
-    p.add_argument("--out", type=pathlib.Path, default=_common.RESULTS)
+    p.add_argument("--out", type=pathlib.Path, default=_common.study_dir("volume_table"))
     args = p.parse_args(argv)
     runs = []
     for item in args.runs.split(","):

@@ -8,6 +8,7 @@ import csv
 import functools
 import math
 import pathlib
+import re
 import sys
 
 import jax
@@ -257,7 +258,7 @@ def test_memory_summary_is_the_results_files_table():
     import _common
     import memory
 
-    paths = [_common.RESULTS / "memory_2x4.csv", _common.RESULTS / "memory_16x8.csv"]
+    paths = [_common.RESULTS / "memory" / f"memory_{mesh}.csv" for mesh in ("2x4", "16x8")]
     text = memory.summary(paths)
     rows = {(r["mesh"], r["model"], r["engine"]): r for p in paths for r in memory._read_rows(p)}
     line = next(x for x in text.splitlines() if x.startswith("| 16x8 | 125m |"))
@@ -339,6 +340,43 @@ def test_study_variants_folders_and_log(tmp_path, capsys):
     lines = (root / "log.txt").read_text().splitlines()
     assert [line.split("] ", 1)[1] for line in lines] == ["one", "two"]
     assert capsys.readouterr().out.splitlines() == lines
+
+
+def test_a_study_writes_into_its_own_folder_by_default(tmp_path, monkeypatch):
+    import _common
+
+    monkeypatch.setattr(_common, "RESULTS", tmp_path / "results")
+    folder = _common.study_dir("memory")
+    assert folder == tmp_path / "results" / "memory" and folder.is_dir()
+    out, root = _common.study_dirs(None, False, "convergence")
+    assert out == root == tmp_path / "results" / "convergence" and root.is_dir()
+
+
+def _loose_files(results: pathlib.Path) -> list[str]:
+    """What sits at the top of `results` besides the study folders and the README."""
+    return sorted(p.name for p in results.iterdir() if not p.is_dir() and p.name != "README.md")
+
+
+def test_results_hold_only_study_folders(tmp_path):
+    """Every results file lives in the folder of the study that wrote it
+    (`experiments/results/<study>/`, `_common.study_dir`), and the README lists each folder
+    and its script."""
+    import _common
+
+    loose = _loose_files(_common.RESULTS)
+    assert not loose, (
+        f"move {loose} into experiments/results/<study>/, the folder of the script that "
+        "wrote them (`_common.study_dir`)"
+    )
+    readme = (_common.RESULTS / "README.md").read_text()
+    listed = dict(re.findall(r"^\| `([^`/]+)/` \| `([^`]+)` \|", readme, re.M))
+    folders = {p.name for p in _common.RESULTS.iterdir() if p.is_dir()}
+    assert folders <= set(listed), f"add {sorted(folders - set(listed))} to results/README.md"
+    assert [s for s in listed.values() if not (_common.ROOT / s).is_file()] == []
+    (tmp_path / "study").mkdir()
+    (tmp_path / "README.md").write_text("")
+    (tmp_path / "stray.md").write_text("")
+    assert _loose_files(tmp_path) == ["stray.md"]
 
 
 def test_layout_memory_extracts_the_package_of_a_commit(tmp_path):

@@ -5,7 +5,7 @@ Two kinds of tests:
 
 * on saved programs (`tests/data/gpu_*.hlo.gz`: the trainer GPT's ZeRO++ and XLA FSDP
   steps compiled for 2 x 4 H200s with the flags of `docs/gpu_cluster.md` by the runs of
-  the results table (`experiments/results/gpu_compile.md`, its `code` column), cut by
+  the results table (`experiments/results/gpu_compile/gpu_compile.md`, its `code` column), cut by
   `gpu_program.minimal_hlo`) and on a hand-written scheduled module: what
   `hlo_text.scheduled_collectives` reads, and that the saved programs keep what the
   results table claims. These run everywhere.

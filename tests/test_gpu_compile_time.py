@@ -23,13 +23,14 @@ HAS_PLUGIN = importlib.util.find_spec("jax_plugins") is not None and (
 def test_cpu_figures_are_the_compile_time_results():
     """The reading quotes `compile_time.csv`'s compile seconds and names its commit and
     mesh from `compile_time.md`."""
-    cpu = gpu_compile_time.cpu_figures(_common.RESULTS, "compile_time")
+    results = _common.RESULTS / "compile_time"
+    cpu = gpu_compile_time.cpu_figures(results, "compile_time")
     assert cpu is not None
-    with open(_common.RESULTS / "compile_time.csv") as f:
+    with open(results / "compile_time.csv") as f:
         rows = {r["variant"]: float(r["compile_s"]) for r in csv.DictReader(f)}
     assert cpu["compile_s"] == {e: rows[e] for e in gpu_compile_time.ENGINES}
     assert cpu["where"].startswith("`compile_time.md` (commit ")
-    assert gpu_compile_time.cpu_figures(_common.RESULTS, "no_such_study") is None
+    assert gpu_compile_time.cpu_figures(results, "no_such_study") is None
     text = gpu_compile_time.ratios({"ZeRO++": 6.0, "ZeRO-3": 3.0, "XLA FSDP": 4.0})
     assert "2.00x ZeRO-3's, 1.50x XLA FSDP's" in text
 

@@ -33,7 +33,7 @@ def test_describe_and_same_code():
 def test_results_files_are_not_code():
     # A study writes its tracked results as it goes: its later runs still ran clean code.
     clean = {"commit": "a" * 40, "dirty": False, "changed": [], "packages": {"jax": "1"}}
-    results = dict(clean, changed=["experiments/results/convergence.md"])
+    results = dict(clean, changed=["experiments/results/convergence/convergence.md"])
     assert describe(results) == "commit aaaaaaa, clean code (results files changed: 1)"
     assert same_code(clean, results)
     # Records from before this rule called such a tree dirty; they count as clean code.

@@ -22,7 +22,7 @@ after a coordination-service barrier so that both processes start it together; a
 time is the slower process's. After the timed rounds each variant runs once more with a
 timeline: `jax.profiler.trace` on each process (XLA:CPU's thunk executor records every
 thunk's start and end per thread) and a thread sampling the veth's `tx_bytes` every
-millisecond. Writes `experiments/results/overlap_probe.md` (or `--out`).
+millisecond. Writes `experiments/results/overlap_probe/overlap_probe.md` (or `--out`).
 
 Needs root (`ip netns`, `tc`); exits with status 2 and a reason otherwise. The namespaces
 are deleted on every exit path; the workers are SIGKILLed by the launcher.
@@ -46,8 +46,9 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(ROOT / "experiments")]
+from _common import RESULTS  # noqa: E402
 
-DEFAULT_OUT = ROOT / "experiments" / "results" / "overlap_probe.md"
+DEFAULT_OUT = RESULTS / "overlap_probe" / "overlap_probe.md"
 COORDINATOR_PORT = 29471  # inside the new namespaces, so free
 BARRIER_MS = 120_000
 

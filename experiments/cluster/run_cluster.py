@@ -50,10 +50,9 @@ import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
-from _common import source_version  # noqa: E402
+from _common import source_version, study_dir  # noqa: E402
 
 WORKER = pathlib.Path(__file__).resolve().parent / "cluster_worker.py"
-DEFAULT_OUT = ROOT / "experiments" / "results"
 SUBNET = "10.231.0"  # private; lives only inside the two namespaces
 COORDINATOR_PORT = 29431  # the namespaces are new, so any port is free there
 LOCAL_DEVICES = 4
@@ -424,7 +423,7 @@ def _parser() -> argparse.ArgumentParser:
         "K > 1 splits the MLP over a `model` axis of K devices inside each node",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
-    p.add_argument("--out-dir", default=str(DEFAULT_OUT))
+    p.add_argument("--out-dir", default=str(study_dir("cluster")))
     p.add_argument("--name", default=None, help="output file stem (default cluster[_quick])")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory")
     return p
