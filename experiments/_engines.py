@@ -188,7 +188,8 @@ def build(
       tx: an optax transformation.
       mesh: a `zpp.make_mesh` mesh; not used by "one device" (may be None there).
       overrides: `ZeroPPConfig` fields over the engine's preset; for "data parallel" and
-        "XLA FSDP" only `compute_dtype` (`xla_fsdp_state`'s); "one device" takes none.
+        "XLA FSDP" only `compute_dtype` (and for "XLA FSDP" `gpu_wire`; `xla_fsdp_state`'s);
+        "one device" takes none.
       config: instead of the preset and `overrides`, the whole `ZeroPPConfig` of a "zpp"
         engine (e.g. the trainer's, from its flags).
       abstract: the state as `jax.ShapeDtypeStruct`s (shardings set), nothing computed.
@@ -209,7 +210,9 @@ def build(
         return _build_zpp(engine, apply_fn, params, tx, mesh, overrides, config, abstract, donate)
     if config is not None:
         raise ValueError(f"engine {engine.name!r} takes no ZeroPPConfig; got config={config}.")
-    allowed = () if engine.kind == "one device" else ("compute_dtype",)
+    allowed = {"one device": (), "xla fsdp": ("compute_dtype", "gpu_wire")}.get(
+        engine.kind, ("compute_dtype",)
+    )
     unknown = sorted(set(overrides) - set(allowed))
     if unknown:
         raise ValueError(

@@ -3,6 +3,7 @@ device."""
 
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,9 @@ from jax.sharding import PartitionSpec as P
 from test_engine import EXACT, TX, Net, data, max_rel_err, reference, train_step
 
 import zeropp_jax as zpp
+from zeropp_jax._activation_sharding import constrain_to_batch
 from zeropp_jax.baselines import (
+    cast_floats,
     embed_size_of,
     fsdp_spec,
     step_ledger,
@@ -251,3 +254,195 @@ def test_xla_fsdp_on_equal_wires_sends_what_zero3_sends(gpt_baseline):
     at_16 = sum(b / 2 if dtype == "float32" else b for (_, dtype), b in by_op.items())
     assert 0.95 * zero3.total_bytes <= at_16 <= 1.1 * zero3.total_bytes, (at_16, zero3.total_bytes)
     assert wire.total_bytes <= 1.25 * zero3.total_bytes, (wire.total_bytes, zero3.total_bytes)
+
+
+# XLA FSDP at a GPU's widths (`xla_fsdp_state(..., gpu_wire=True)`).
+
+BF16_ROUNDING = 2.0**-8
+"""bfloat16's unit roundoff: rounding to nearest moves a value by at most this times it."""
+
+
+class WireMLP(nn.Module):
+    """32 -> 32 -> 32 -> `out` in bfloat16, activations pinned to the batch. With `out`
+    12 the head's bias is split over no dimension (8 does not divide 12): a leaf whose
+    gradient a GPU all-reduces."""
+
+    out: int = 12
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(jnp.bfloat16)
+        for i, width in enumerate((32, 32, self.out)):
+            x = nn.Dense(width)(constrain_to_batch(x))
+            x = jax.nn.gelu(x) if i < 2 else x
+        return constrain_to_batch(x)
+
+
+def _wire_step(state, batch):
+    def loss_fn(params):
+        out = state.apply_fn({"params": params}, batch["x"])
+        return jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+def _wire_batch(out, seed=0, rows=32):
+    rs = np.random.RandomState(seed)
+    return {
+        "x": rs.randn(rows, 32).astype(np.float32),
+        "y": rs.randn(rows, out).astype(np.float32),
+    }
+
+
+def _both(model, params, tx, mesh, abstract=False):
+    """The plain baseline and the 16-bit-wire one: `{gpu_wire: (state, step)}`."""
+    out = {}
+    for gpu_wire in (False, True):
+        state = xla_fsdp_state(
+            apply_fn=model.apply,
+            params=params,
+            tx=tx,
+            mesh=mesh,
+            abstract=abstract,
+            gpu_wire=gpu_wire,
+        )
+        out[gpu_wire] = state, xla_fsdp_step(_wire_step, state, mesh, donate_state=False)
+    return out
+
+
+def _partial_gradients(model, params, batch, n):
+    """Each device's share of the gradient of the mean loss (the rows it holds, in device
+    order), computed on one device in bfloat16 as the step computes it: `(n, ...)` per
+    leaf."""
+
+    def loss(p, rows):
+        out = model.apply({"params": cast_floats(p, jnp.bfloat16)}, rows["x"])
+        return jnp.mean((out.astype(jnp.float32) - rows["y"]) ** 2) / n
+
+    blocks = jax.tree.map(lambda a: a.reshape(n, -1, *a.shape[1:]), batch)
+    return jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(params, blocks)
+
+
+def test_gpu_wire_trains_like_the_plain_baseline():
+    # SGD with learning rate 1: the update is the gradient. The forward is the same
+    # program on the same bits (a gather of uint16 bits is exact), so the loss is equal
+    # to the bit. The gradients differ only in how the 16-bit partial gradients p_1..p_G
+    # of the G devices are summed: XLA:CPU sums them in float32 and rounds once to
+    # bfloat16; the 16-bit ring rounds its running sum to bfloat16 at each of its G - 1
+    # hops, as a GPU's ring does. Each rounding moves a partial sum by at most u = 2^-8
+    # of it, and every partial sum is at most sum_i |p_i|: with the two final roundings
+    # and one for a partial that one side sums before rounding it, the two gradients
+    # differ by at most (G + 2) u sum_i |p_i| per value (float32's own roundings, 2^-24,
+    # in the last term).
+    mesh = zpp.make_mesh(2, 4)
+    n = 8
+    model = WireMLP()
+    batch = _wire_batch(12)
+    params = model.init(jax.random.key(0), batch["x"][:1])["params"]
+    runs = _both(model, params, optax.sgd(1.0), mesh)
+    after, losses = {}, {}
+    for gpu_wire, (state, step) in runs.items():
+        assert state.params["Dense_0"]["kernel"].dtype == jnp.float32  # the master
+        assert state.params["Dense_2"]["bias"].sharding.spec == P()
+        new, metrics = step(state, batch)
+        after[gpu_wire], losses[gpu_wire] = new.params, float(metrics["loss"])
+    assert losses[True] == losses[False]
+    plain_sharding = jax.tree.map(lambda x: x.sharding, after[False])
+    assert jax.tree.map(lambda x: x.sharding, after[True]) == plain_sharding
+    partials = _partial_gradients(model, params, batch, n)
+    for path, p0 in jax.tree_util.tree_leaves_with_path(params):
+        p0 = np.asarray(p0)
+        g_plain, g_wire = (
+            p0 - np.asarray(jax.tree_util.tree_leaves(after[w])[_index(params, path)])
+            for w in (False, True)
+        )
+        absolute = np.abs(np.asarray(_leaf(partials, path))).sum(0)
+        bound = (n + 2) * BF16_ROUNDING * absolute + 2.0**-22 * (np.abs(p0) + np.abs(g_plain))
+        excess = np.abs(g_wire - g_plain) - bound
+        assert excess.max() <= 0, (jax.tree_util.keystr(path), float(excess.max()))
+        assert np.abs(g_plain).max() > 0
+
+
+def _index(tree, path):
+    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    return paths.index(path)
+
+
+def _leaf(tree, path):
+    return jax.tree_util.tree_leaves(tree)[_index(tree, path)]
+
+
+def test_gpu_wire_sends_what_the_partitioner_asks_at_16_bits():
+    # Every leaf split over the 8 devices (out 32): the partitioner's program (a GPU's
+    # widths) gathers the bfloat16 weights once, forward, and reduce-scatters their
+    # bfloat16 gradients; XLA:CPU widens both to float32 (and all-reduces). The 16-bit
+    # wire's compiled CPU program gathers uint16 and reduce-scatters in a uint16 ring:
+    # per device the partitioner's bytes, half the widened gathers.
+    mesh = zpp.make_mesh(2, 4)
+    model = WireMLP(out=32)
+    batch = _wire_batch(32)
+    params = model.init(jax.random.key(0), batch["x"][:1])["params"]
+    runs = _both(model, params, optax.adam(1e-3), mesh, abstract=True)
+    (plain_state, plain_step), (wire_state, wire_step) = runs[False], runs[True]
+    gpu = zpp.comm_ledger(plain_step, plain_state, batch, partitioned=True)
+    cpu = zpp.comm_ledger(plain_step, plain_state, batch, compiled=True)
+    wire = zpp.comm_ledger(wire_step, wire_state, batch, compiled=True)
+    gpu_by, cpu_by, wire_by = (x.bytes_by("op", "dtype") for x in (gpu, cpu, wire))
+    assert gpu_by[("all-gather", "bfloat16")] == wire_by[("all-gather", "uint16")]
+    assert cpu_by[("all-gather", "float32")] == 2 * wire_by[("all-gather", "uint16")]
+    assert gpu_by[("reduce-scatter", "bfloat16")] == wire_by[("collective-permute", "uint16")]
+    # Nothing else moves but the loss's float32 scalar.
+    assert set(wire_by) == {
+        ("all-gather", "uint16"),
+        ("collective-permute", "uint16"),
+        ("all-reduce", "float32"),
+    }
+    assert all(r.in_bytes == 4 for r in wire.records if r.dtype == "float32")
+    assert {r.phase for r in wire.records if r.op == "all-gather"} == {"forward"}
+    # Through the node link: the partitioner's collectives in NCCL's ring order.
+    nccl = zpp.comm_ledger(plain_step, plain_state, batch, partitioned=True, links="nccl")
+    np.testing.assert_array_equal(wire.node_link_bytes(), nccl.node_link_bytes())
+
+
+def test_gpu_wire_says_what_it_needs():
+    params = {"w": jnp.ones((16, 24))}
+
+    def make(mesh, **kw):
+        return xla_fsdp_state(
+            apply_fn=lambda v, x: x @ v["params"]["w"],
+            params=params,
+            tx=optax.sgd(1.0),
+            mesh=mesh,
+            gpu_wire=True,
+            **kw,
+        )
+
+    with pytest.raises(ValueError, match="compute_dtype is float32"):
+        make(zpp.make_mesh(2, 4), compute_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="without model_size"):
+        make(zpp.make_mesh(2, 2, model_size=2))
+    state = make(zpp.make_mesh(2, 4))
+    with pytest.raises(ValueError, match="does not divide by the 8 devices"):
+        state.apply_fn({"params": state.params}, jnp.ones((12, 16), jnp.bfloat16))
+    out = state.apply_fn({"params": state.params}, jnp.ones((8, 16), jnp.bfloat16))
+    np.testing.assert_array_equal(out, np.full((8, 24), 16.0))
+
+
+def test_gpu_wire_runs_the_scanned_gpt_unchanged(gpt_baseline):
+    # The trainer's GPT (a scanned stack, a tied head, the targets passed by keyword):
+    # the model's own parameters, and the first step's loss to the bit.
+    mesh, params, _, _ = gpt_baseline
+    tokens = np.random.RandomState(0).randint(0, GPT_CFG.vocab_size, (BATCH, GPT_CFG.seq_len + 1))
+    losses = {}
+    for gpu_wire in (False, True):
+        state = xla_fsdp_state(
+            apply_fn=GPT(GPT_CFG).apply,
+            params=params,
+            tx=optax.adam(1e-3),
+            mesh=mesh,
+            gpu_wire=gpu_wire,
+        )
+        _, metrics = xla_fsdp_step(_gpt_step, state, mesh)(state, tokens)
+        losses[gpu_wire] = float(metrics["loss"])
+    assert losses[True] == losses[False]

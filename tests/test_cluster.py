@@ -56,14 +56,16 @@ def run_cluster(*args, timeout):
 
 def test_one_step_across_the_shaped_link(tmp_path):
     proc = run_cluster(
-        "--configs", "zero3,zeropp", "--rates", "200", "--steps", "1", "--warmup", "0",
-        "--width", "1024", "--out-dir", str(tmp_path), "--name", "smoke", "--timeout", "200",
+        "--configs", "zero3,zeropp,xla_fsdp_gpu_wire", "--rates", "200", "--steps", "1",
+        "--warmup", "0", "--width", "1024", "--out-dir", str(tmp_path), "--name", "smoke",
+        "--timeout", "200",
         timeout=220,  # bounds for a loaded machine; about 25 s on an idle one
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "smoke.csv") as f:
         rows = {row["config"]: row for row in csv.DictReader(f)}
-    assert set(rows) == {"zero3", "zeropp"} and {r["rate"] for r in rows.values()} == {"200"}
+    assert set(rows) == {"zero3", "zeropp", "xla_fsdp_gpu_wire"}
+    assert {r["rate"] for r in rows.values()} == {"200"}
     assert "model_parallel" not in rows["zero3"]  # no TP column unless asked for
     assert all(float(r["step_s"]) > 0 for r in rows.values())
     for row in rows.values():
@@ -77,6 +79,10 @@ def test_one_step_across_the_shaped_link(tmp_path):
     # inside the node: over 5 times fewer bytes on the wire (6.3x at width 1536).
     zero3, zeropp = (float(rows[c]["link_mb_per_step"]) for c in ("zero3", "zeropp"))
     assert zero3 / zeropp > 5, (zero3, zeropp)
+    # XLA FSDP at a GPU's widths: a 16-bit gather and a 16-bit ring reduce-scatter per
+    # weight, about 7/8 M each, where ZeRO-3 gathers again in the backward pass.
+    gpu_wire = float(rows["xla_fsdp_gpu_wire"]["link_mb_per_step"])
+    assert gpu_wire < zero3, (gpu_wire, zero3)
     assert (tmp_path / "smoke.md").exists()
 
 

@@ -10,7 +10,8 @@ veth pair (`tc ... tbf` on its egress, so each direction of the link is shaped b
 process that sends on it), waits for the other process at a barrier, runs `warmup` steps
 of every config, then times `steps` steps of each, the configs alternating step by step
 (`block_until_ready` after each), and reads the bytes its interface sent and received
-around each step from `/sys/class/net/<iface>/statistics`.
+around each step from `/sys/class/net/<iface>/statistics` (after a barrier of both
+processes, so that each step's window holds all the bytes it sent, and the barrier's few).
 
 Writes `<out>/process_<i>.json`: one record per (K, config, rate).
 """
@@ -39,6 +40,9 @@ VARIANTS = {
     # means the same at every commit.
     "beyond": ("beyond_d2", {"weight_delta_bits": 4}),
     "beyond_d2_node_rot": ("beyond_d2", {"grad_rotation": False, "grad_node_rotation": True}),
+    # XLA FSDP whose collectives cross at a GPU's widths: 16-bit weights gathered as uint16
+    # bits, 16-bit gradients ring-reduced as raw bits (`baselines.gathered_copies`).
+    "xla_fsdp_gpu_wire": ("xla_fsdp", {"gpu_wire": True}),
 }
 """The cluster's configs that are an `_engines` engine with `ZeroPPConfig` overrides; every
 other config name is an engine's slug or alias (`xla_fsdp`, `zero3`, `zeropp`,
@@ -218,6 +222,11 @@ def run_model_parallel(args, mesh, model_parallel: int, names: list[str]) -> lis
                 tx0 = read_counter(args.iface, "tx_bytes")
                 rx0 = read_counter(args.iface, "rx_bytes")
                 times[name].append(one_step(name))
+                # Both nodes past the step (after its timing): every byte it sent has
+                # crossed the link. A node can finish a step while its last message still
+                # waits in the shaped queue (a ring's last hop), which the next config's
+                # window would otherwise count.
+                multihost_utils.sync_global_devices(f"tp{k} rate {rate} {name} step done")
                 sent[name] += read_counter(args.iface, "tx_bytes") - tx0
                 received[name] += read_counter(args.iface, "rx_bytes") - rx0
         for name in names:

@@ -14,14 +14,15 @@ so each worker runs in its own mount and UTS namespace with its own host name an
 `/etc/hosts`. Addresses exist only inside the namespaces; nothing is sent from or to the
 root namespace.
 
-For each config (`CONFIG_LABELS`: XLA's own FSDP from `zeropp_jax.baselines`,
-`zpp.ZeroPPConfig.zero3()`, `zpp.ZeroPPConfig()` and variants, e.g. with
-`prefetch=False`) and each rate, the workers time single training steps of an MLP (median
-of `--steps` after `--warmup`, the configs alternating step by step), count the bytes on
-the veth (`/sys/class/net/<if>/statistics`, each direction) and set them beside what
-`zpp.comm_ledger(..., compiled=True)` says crosses each node's link. With
-`--model-parallel 1,2,4` the sweep repeats per tensor-parallel size K: for K > 1 each node's
-4 devices form `4 / K` data-parallel ranks of a `model` group of K
+For each config (`CONFIG_LABELS`: XLA's own FSDP from `zeropp_jax.baselines`, as XLA:CPU
+compiles it (16-bit collectives widened to float32) and as a GPU sends it
+(`xla_fsdp_gpu_wire`: `xla_fsdp_state(..., gpu_wire=True)`), `zpp.ZeroPPConfig.zero3()`,
+`zpp.ZeroPPConfig()` and variants, e.g. with `prefetch=False`) and each rate, the workers
+time single training steps of an MLP (median of `--steps` after `--warmup`, the configs
+alternating step by step), count the bytes on the veth (`/sys/class/net/<if>/statistics`,
+each direction) and set them beside what `zpp.comm_ledger(..., compiled=True)` says crosses
+each node's link. With `--model-parallel 1,2,4` the sweep repeats per tensor-parallel size
+K: for K > 1 each node's 4 devices form `4 / K` data-parallel ranks of a `model` group of K
 (`zpp.make_mesh(model_size=K)`) and the MLP's layers are split Megatron-style over it; the
 tables gain a TP column (K = 1 alone writes them as before). Writes
 `<name>.md`, `<name>.csv` and `<name>.png` into `--out-dir` (default
@@ -56,9 +57,11 @@ WORKER = pathlib.Path(__file__).resolve().parent / "cluster_worker.py"
 SUBNET = "10.231.0"  # private; lives only inside the two namespaces
 COORDINATOR_PORT = 29431  # the namespaces are new, so any port is free there
 LOCAL_DEVICES = 4
-BASELINES = ("xla_fsdp", "zero3")  # speedups are over these configs at the same rate
+# Speedups are over these configs at the same rate.
+BASELINES = ("xla_fsdp", "xla_fsdp_gpu_wire", "zero3")
 CONFIG_LABELS = {
     "xla_fsdp": "XLA FSDP",
+    "xla_fsdp_gpu_wire": "XLA FSDP, 16-bit wire (as a GPU sends)",
     "zero3": "ZeRO-3",
     "zero3_noprefetch": "ZeRO-3, no prefetch",
     "zeropp": "ZeRO++",
@@ -69,6 +72,12 @@ CONFIG_LABELS = {
     "beyond_d2_node_rot": "int2 weight deltas, int8 / int4 gradient hops, node hop rotated",
     "zeropp_delta2": "ZeroPPConfig.beyond(): ZeRO++ with int2 weight deltas",
 }
+
+
+def _plot_order(base: str) -> int:
+    """The plot labels each bar with its speedup over the first baseline run: XLA FSDP at a
+    GPU's widths, else the others in `BASELINES` order."""
+    return -1 if base == "xla_fsdp_gpu_wire" else BASELINES.index(base)
 
 
 class Unavailable(RuntimeError):
@@ -378,7 +387,7 @@ def write_results(rows: list[dict], out_dir: pathlib.Path, name: str, meta: str)
         ax0.bar(xs, [sel[r]["step_s"] for r in rates], width, label=label)
         ax1.bar(xs, [sel[r]["link_mb_per_step"] for r in rates], width, label=label)
         for x, rate in zip(xs, rates, strict=True):
-            over = [sel[rate][f"speedup_over_{b}"] for b in BASELINES]
+            over = [sel[rate][f"speedup_over_{b}"] for b in sorted(BASELINES, key=_plot_order)]
             speedup = next((x for x in over if x is not None), None)
             if speedup is not None and cfg not in BASELINES:
                 ax0.annotate(
