@@ -148,7 +148,7 @@ def figure(plans: list[Plan], path: pathlib.Path) -> None:
     for i, p in enumerate(plans):
         xs = [j + i * width for j in range(len(packages))]
         axes[0].bar(xs, [sum(p.modules.get(k, (0, 0))) for k in packages], width, label=p.label)
-    axes[0].set_xticks([j + 0.4 - width / 2 for j in range(len(packages))], packages)
+    axes[0].set_xticks([j + 0.4 - width / 2 for j in range(len(packages))], packages, rotation=30)
     axes[0].set_title("modules per package")
     axes[0].legend()
     labels = [p.label for p in plans]
