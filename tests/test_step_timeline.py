@@ -31,7 +31,7 @@ def _ms(x: float) -> int:
     return int(x * 1e6)
 
 
-def test_phases_split_at_the_first_all_to_all_and_count_same_device_overlap(st):
+def test_phases_split_at_the_first_reduction_and_count_same_device_overlap(st):
     # Profiler clock starts at 5 ms; the wall clock (t0, t1, tx) at 1000 ms.
     p0, w0 = _ms(5), _ms(1000)
     spans = [
@@ -42,14 +42,15 @@ def test_phases_split_at_the_first_all_to_all_and_count_same_device_overlap(st):
         ("ynn_fusion.3", "compute", 0, p0 + _ms(30), p0 + _ms(50)),
         ("all-to-all.2", "collective", 0, p0 + _ms(60), p0 + _ms(90)),
         ("or_bitcast_fusion.4", "compute", 0, p0 + _ms(70), p0 + _ms(75)),
-        # device 1: compute only, never beside its own collective.
-        ("all_gather.1", "collective", 1, p0, p0 + _ms(40)),
-        ("ynn_fusion.3", "compute", 1, p0 + _ms(40), p0 + _ms(60)),
+        # device 2049 (another process's numbering): compute never beside its own
+        # collective; a loop thunk (it only runs nested thunks) counts as neither.
+        ("all_gather.1", "collective", 2049, p0, p0 + _ms(40)),
+        ("ynn_fusion.3", "compute", 2049, p0 + _ms(40), p0 + _ms(60)),
     ]
     # 1.25 MB sent by 50 ms (forward), 0.5 MB more by 100 ms.
     tx = [(w0, 0), (w0 + _ms(50), 1_250_000), (w0 + _ms(100), 1_750_000)]
     record = dict(t0=w0, t1=w0 + _ms(100), spans=spans, tx=tx)
-    fwd, bwd, step = st.phases(record, rate_mbit=100.0, devices=2)
+    fwd, bwd, step = st.phases(record, rate_mbit=100.0)
     assert (fwd["phase"], fwd["ms"], bwd["ms"], step["ms"]) == ("forward", 60, 40, 100)
     assert fwd["tx_mb"] == pytest.approx(1.25) and bwd["tx_mb"] == pytest.approx(0.5)
     assert fwd["link_ms"] == pytest.approx(100.0)  # 1.25 MB at 100 Mbit/s
@@ -59,4 +60,12 @@ def test_phases_split_at_the_first_all_to_all_and_count_same_device_overlap(st):
     assert bwd["both_ms"] == pytest.approx(2.5)
     assert dict(fwd["kinds"]) == pytest.approx({"ynn_fusion (dot)": 20.0})
     assert dict(bwd["kinds"]) == pytest.approx({"or_bitcast_fusion": 5.0})
-    assert st.phases(record, rate_mbit=None, devices=2)[0]["link_ms"] is None
+    assert st.phases(record, rate_mbit=None)[0]["link_ms"] is None
+
+
+def test_loop_thunks_are_neither_compute_nor_collective_and_ppermute_is_a_collective(st):
+    assert st.CONTAINER_THUNK.match("while.3") and st.CONTAINER_THUNK.match("call")
+    assert not st.CONTAINER_THUNK.match("while_fusion.2")
+    for name in ("ppermute.4", "collective-permute.1", "all-to-all", "all_gather.12"):
+        assert st.COLLECTIVE_THUNK.match(name), name
+    assert not st.COLLECTIVE_THUNK.match("ynn_fusion.9")

@@ -42,12 +42,21 @@ COORDINATOR_PORT = 29491  # inside the new namespaces, so free
 BARRIER_MS = 300_000
 
 
+COLLECTIVE_THUNK = re.compile(
+    r"^(all[-_]gather|all[-_]reduce|reduce[-_]scatter|all[-_]to[-_]all|ppermute|collective[-_]permute)"
+)
+CONTAINER_THUNK = re.compile(r"^(while|call|conditional)([._]\d+)?$")
+"""Thunks that only run nested thunks (recorded themselves): neither compute nor collective."""
+
+
 def _spans(trace_dir: str, collectives: set[str]) -> list[tuple[str, str, int, int, int]]:
-    """`(name, kind, device, start_ns, end_ns)` of every thunk in a profiler trace."""
+    """`(name, kind, device, start_ns, end_ns)` of every thunk in a profiler trace, `kind`
+    "collective", "compute" or "step" (the step's annotation, device -1); loop and call
+    thunks, which only run nested thunks, are left out."""
     import glob
 
     from jax._src.lib import _profile_data
-    from overlap_probe import COLLECTIVE, STEP_ANNOTATION
+    from overlap_probe import STEP_ANNOTATION
 
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     if not files:
@@ -61,9 +70,10 @@ def _spans(trace_dir: str, collectives: set[str]) -> list[tuple[str, str, int, i
             stats = dict(ev.stats)
             if "device_ordinal" not in stats or re.search(r"[:\s()\[\]$]", ev.name):
                 continue
-            kind = (
-                "collective" if ev.name in collectives or COLLECTIVE.match(ev.name) else "compute"
-            )
+            if CONTAINER_THUNK.match(ev.name):
+                continue
+            collective = ev.name in collectives or COLLECTIVE_THUNK.match(ev.name)
+            kind = "collective" if collective else "compute"
             out.append((ev.name, kind, int(stats["device_ordinal"]), ev.start_ns, ev.end_ns))
     return out
 
@@ -169,12 +179,13 @@ def _kind(name: str) -> str:
     return f"{base} (dot)" if base.startswith("ynn") or base == "dot" else base
 
 
-def phases(record: dict, rate_mbit: float | None, devices: int = 4) -> list[dict]:
-    """The step's forward (to the first all-to-all: the first gradient reduction) and
-    backward + update, and the whole step: wall ms, bytes the veth sent and the time the
-    link needs for them at `rate_mbit`, and per device (mean over this process's
-    `devices`) the ms its collective thunks ran, its compute thunks ran, and both at once,
-    with the compute thunks' five largest kinds (device 0)."""
+def phases(record: dict, rate_mbit: float | None) -> list[dict]:
+    """The step's forward (up to its first collective other than an all-gather: the
+    loss's all-reduce or the first gradient reduction) and backward + update, and the whole
+    step: wall ms, bytes the veth sent and the time the link needs for them at
+    `rate_mbit`, and per device (the mean over this process's devices) the ms its
+    collective thunks ran, its compute thunks ran, and both at once, with the compute
+    thunks' five largest kinds on the process's first device."""
     from overlap_probe import _intersection, _length, _union
 
     spans = [tuple(x) for x in record["spans"]]
@@ -187,10 +198,9 @@ def phases(record: dict, rate_mbit: float | None, devices: int = 4) -> list[dict
         at = lambda x: max([v for t, v in tx if t <= x] or [tx[0][1]])  # noqa: E731
         return (at(b) - at(a)) / 1e6 if tx else 0.0
 
-    first_a2a = [
-        ms(s) for n, k, _, s, _ in spans if k == "collective" and "to_all" in n.replace("-", "_")
-    ]
-    split = min(first_a2a, default=end)
+    not_gathers = [ms(s) for n, k, _, s, _ in spans if k == "collective" and "gather" not in n]
+    split = min(not_gathers, default=end)
+    devices = sorted({d for _, k, d, _, _ in spans if k != "step"})
     out = []
     for phase, (a, b) in (
         ("forward", (0.0, split)),
@@ -199,7 +209,7 @@ def phases(record: dict, rate_mbit: float | None, devices: int = 4) -> list[dict
     ):
         clip = lambda iv: [(max(s, a), min(e, b)) for s, e in iv if min(e, b) > max(s, a)]  # noqa: B023, E731
         busy = []
-        for d in range(devices):
+        for d in devices:
             coll = clip(
                 _union(
                     [(ms(s), ms(e)) for _, k, dv, s, e in spans if dv == d and k == "collective"]
@@ -211,7 +221,7 @@ def phases(record: dict, rate_mbit: float | None, devices: int = 4) -> list[dict
             busy.append((_length(coll), _length(comp), _length(_intersection(coll, comp))))
         kinds: dict[str, float] = {}
         for n, k, dv, s, e in spans:
-            if k == "compute" and dv == 0 and a <= ms(s) < b:
+            if k == "compute" and dv == devices[0] and a <= ms(s) < b:
                 kinds[_kind(n)] = kinds.get(_kind(n), 0.0) + (e - s) / 1e6
         mb = sent(a, b)
         out.append(
@@ -236,7 +246,7 @@ def report(records: list[dict], names: list[str], rate: str) -> str:
     head = (
         "| config | process | phase | wall (ms) | link MB | link time at the rate (ms) | "
         "collective (ms/device) | compute (ms/device) | both at once (ms/device) | "
-        "largest compute kinds, device 0 (ms) |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---|\n"
+        "largest compute kinds, first device (ms) |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---|\n"
     )
     rows, steps = [], []
     for name in names:
