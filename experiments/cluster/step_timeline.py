@@ -246,7 +246,8 @@ def report(records: list[dict], names: list[str], rate: str) -> str:
     head = (
         "| config | process | phase | wall (ms) | link MB | link time at the rate (ms) | "
         "collective (ms/device) | compute (ms/device) | both at once (ms/device) | "
-        "largest compute kinds, first device (ms) |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---|\n"
+        "largest compute kinds, first device (ms) |\n"
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|\n"
     )
     rows, steps = [], []
     for name in names:
