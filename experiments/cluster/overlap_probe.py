@@ -217,34 +217,43 @@ def _collective_names(hlo_text: str) -> set[str]:
     return set(re.findall(pattern, hlo_text))
 
 
-def _thunk_spans(
-    trace_dir: str, collectives: set[str]
-) -> tuple[int | None, list[tuple[str, int, int, int]]]:
-    """Thunk spans from a `jax.profiler.trace` directory: the start of the step's
-    `STEP_ANNOTATION` (profiler clock, ns) and `(kind, device, start, end)` per thunk,
-    `kind` "collective" or "compute". XLA:CPU's thunk executor names each span after its
-    thunk (`all_gather.3`, `ynn_fusion.15`, `wrapped_tanh`) and tags it with the device
-    ordinal; framework spans (with `::`, spaces, brackets) are skipped."""
+def thunk_events(trace_dir: str) -> list[tuple[str, int | None, int, int]]:
+    """`(name, device, start_ns, end_ns)` from a `jax.profiler.trace` directory: the step's
+    `STEP_ANNOTATION` (device None) and every thunk. XLA:CPU's thunk executor names each
+    span after its thunk (`all_gather.3`, `ynn_fusion.15`, `wrapped_tanh`) and tags it with
+    the device ordinal; framework spans (with `::`, spaces, brackets) are skipped."""
     import glob
 
     from jax._src.lib import _profile_data
 
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     if not files:
-        return None, []
+        return []
     plane = _profile_data.ProfileData.from_file(files[-1]).find_plane_with_name("/host:CPU")
-    step, spans = None, []
+    out = []
     for line in plane.lines:
         for ev in line.events:
-            name = ev.name
-            if name == STEP_ANNOTATION:
-                step = int(ev.start_ns)
-            stats = dict(ev.stats)
-            if "device_ordinal" not in stats or re.search(r"[:\s()\[\]$]", name):
+            if ev.name == STEP_ANNOTATION:
+                out.append((ev.name, None, int(ev.start_ns), int(ev.end_ns)))
                 continue
-            device = stats["device_ordinal"]
-            kind = "collective" if name in collectives or COLLECTIVE.match(name) else "compute"
-            spans.append((kind, int(device), int(ev.start_ns), int(ev.end_ns)))
+            stats = dict(ev.stats)
+            if "device_ordinal" in stats and not re.search(r"[:\s()\[\]$]", ev.name):
+                out.append((ev.name, int(stats["device_ordinal"]), ev.start_ns, ev.end_ns))
+    return out
+
+
+def _thunk_spans(
+    trace_dir: str, collectives: set[str]
+) -> tuple[int | None, list[tuple[str, int, int, int]]]:
+    """The start of the step's `STEP_ANNOTATION` (profiler clock, ns) and `(kind, device,
+    start, end)` per thunk of `thunk_events`, `kind` "collective" or "compute"."""
+    step, spans = None, []
+    for name, device, start, end in thunk_events(trace_dir):
+        if device is None:
+            step = start
+            continue
+        kind = "collective" if name in collectives or COLLECTIVE.match(name) else "compute"
+        spans.append((kind, device, int(start), int(end)))
     return step, spans
 
 

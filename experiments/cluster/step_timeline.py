@@ -53,28 +53,15 @@ def _spans(trace_dir: str, collectives: set[str]) -> list[tuple[str, str, int, i
     """`(name, kind, device, start_ns, end_ns)` of every thunk in a profiler trace, `kind`
     "collective", "compute" or "step" (the step's annotation, device -1); loop and call
     thunks, which only run nested thunks, are left out."""
-    import glob
+    from overlap_probe import thunk_events
 
-    from jax._src.lib import _profile_data
-    from overlap_probe import STEP_ANNOTATION
-
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-    if not files:
-        return []
-    plane = _profile_data.ProfileData.from_file(files[-1]).find_plane_with_name("/host:CPU")
     out = []
-    for line in plane.lines:
-        for ev in line.events:
-            if ev.name == STEP_ANNOTATION:
-                out.append((ev.name, "step", -1, ev.start_ns, ev.end_ns))
-            stats = dict(ev.stats)
-            if "device_ordinal" not in stats or re.search(r"[:\s()\[\]$]", ev.name):
-                continue
-            if CONTAINER_THUNK.match(ev.name):
-                continue
-            collective = ev.name in collectives or COLLECTIVE_THUNK.match(ev.name)
-            kind = "collective" if collective else "compute"
-            out.append((ev.name, kind, int(stats["device_ordinal"]), ev.start_ns, ev.end_ns))
+    for name, device, start, end in thunk_events(trace_dir):
+        if device is None:
+            out.append((name, "step", -1, start, end))
+        elif not CONTAINER_THUNK.match(name):
+            collective = name in collectives or COLLECTIVE_THUNK.match(name)
+            out.append((name, "collective" if collective else "compute", device, start, end))
     return out
 
 
