@@ -69,3 +69,13 @@ def test_loop_thunks_are_neither_compute_nor_collective_and_ppermute_is_a_collec
     for name in ("ppermute.4", "collective-permute.1", "all-to-all", "all_gather.12"):
         assert st.COLLECTIVE_THUNK.match(name), name
     assert not st.COLLECTIVE_THUNK.match("ynn_fusion.9")
+
+
+def test_trace_interval_arithmetic(st):
+    import _trace  # on the path while `st` is loaded
+
+    a = _trace.union([(5, 8), (0, 3), (2, 4)])
+    assert a == [(0, 4), (5, 8)] and _trace.length(a) == 7
+    assert _trace.intersection(a, [(3, 6)]) == [(3, 4), (5, 6)]
+    hlo = "%all-gather.3 = s8[2,8]{1,0} all-gather(%p), dims={0}\n%psum.1 = f32[] all-reduce(%x)"
+    assert _trace.collective_names(hlo) == {"all-gather.3", "psum.1"}

@@ -40,13 +40,22 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(ROOT / "experiments")]
 from _common import RESULTS  # noqa: E402
+from _trace import (  # noqa: E402
+    COLLECTIVE,
+    STEP_ANNOTATION,
+    TxSampler,
+    collective_names,
+    intersection,
+    length,
+    thunk_events,
+    union,
+)
 
 DEFAULT_OUT = RESULTS / "overlap_probe" / "overlap_probe.md"
 COORDINATOR_PORT = 29471  # inside the new namespaces, so free
@@ -84,8 +93,6 @@ VARIANTS = {
     "d_eigen": ("(d) c with Eigen dots (no YNNPACK dot fusions)", NO_YNN_DOTS),
 }
 QUICK_VARIANTS = ("a_compute", "b_gather", "c_both", "d_serial", "d_fori")
-STEP_ANNOTATION = "overlap_probe_step"
-COLLECTIVE = re.compile(r"^(all[-_]gather|all[-_]reduce|reduce[-_]scatter|all[-_]to[-_]all)")
 
 
 # ----------------------------------------------------------------------------- worker
@@ -161,87 +168,6 @@ def _entry_order(hlo_text: str) -> str:
     return " ".join(f"{t}x{n}" if n > 1 else t for t, n in out)
 
 
-class _TxSampler(threading.Thread):
-    """Samples `/sys/class/net/<iface>/statistics/tx_bytes` every `period_s` (wall clock
-    in ns, the profiler's clock), for at most `limit_s`."""
-
-    def __init__(self, iface: str, period_s: float = 0.001, limit_s: float = 60.0):
-        super().__init__(daemon=True)
-        self.path = f"/sys/class/net/{iface}/statistics/tx_bytes"
-        self.period_s, self.limit_s = period_s, limit_s
-        self.samples: list[tuple[int, int]] = []
-        self.stop = threading.Event()
-
-    def read(self) -> int:
-        with open(self.path) as f:
-            return int(f.read())
-
-    def run(self) -> None:
-        end = time.monotonic() + self.limit_s
-        while not self.stop.is_set() and time.monotonic() < end:
-            self.samples.append((time.time_ns(), self.read()))
-            time.sleep(self.period_s)
-
-
-def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def _length(intervals) -> int:
-    return sum(e - s for s, e in intervals)
-
-
-def _intersection(a, b) -> list[tuple[int, int]]:
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if s < e:
-            out.append((s, e))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def _collective_names(hlo_text: str) -> set[str]:
-    """Names of the collective instructions of a compiled module (a psum's all-reduce is
-    named after the primitive, e.g. `psum.1`)."""
-    pattern = r"%?([\w.\-]+) = [^=]*? (?:all-gather|all-reduce|reduce-scatter|all-to-all)\S*\("
-    return set(re.findall(pattern, hlo_text))
-
-
-def thunk_events(trace_dir: str) -> list[tuple[str, int | None, int, int]]:
-    """`(name, device, start_ns, end_ns)` from a `jax.profiler.trace` directory: the step's
-    `STEP_ANNOTATION` (device None) and every thunk. XLA:CPU's thunk executor names each
-    span after its thunk (`all_gather.3`, `ynn_fusion.15`, `wrapped_tanh`) and tags it with
-    the device ordinal; framework spans (with `::`, spaces, brackets) are skipped."""
-    import glob
-
-    from jax._src.lib import _profile_data
-
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-    if not files:
-        return []
-    plane = _profile_data.ProfileData.from_file(files[-1]).find_plane_with_name("/host:CPU")
-    out = []
-    for line in plane.lines:
-        for ev in line.events:
-            if ev.name == STEP_ANNOTATION:
-                out.append((ev.name, None, int(ev.start_ns), int(ev.end_ns)))
-                continue
-            stats = dict(ev.stats)
-            if "device_ordinal" in stats and not re.search(r"[:\s()\[\]$]", ev.name):
-                out.append((ev.name, int(stats["device_ordinal"]), ev.start_ns, ev.end_ns))
-    return out
-
-
 def _thunk_spans(
     trace_dir: str, collectives: set[str]
 ) -> tuple[int | None, list[tuple[str, int, int, int]]]:
@@ -262,7 +188,7 @@ def _timeline(compiled, args, iface: str, trace_dir: str | None) -> dict:
     went out, when the thunks ran, relative to the step's start (ms)."""
     import jax
 
-    sampler = _TxSampler(iface)
+    sampler = TxSampler(iface)
     if trace_dir:
         jax.profiler.start_trace(trace_dir)
     sampler.start()
@@ -286,28 +212,28 @@ def _timeline(compiled, args, iface: str, trace_dir: str | None) -> dict:
             hit = next((t for t, b in samples if b - base >= q * total), None)
             out[f"tx_{int(q * 100)}pct_ms"] = None if hit is None else ms(hit)
     if trace_dir:
-        step, spans = _thunk_spans(trace_dir, _collective_names(compiled.as_text()))
+        step, spans = _thunk_spans(trace_dir, collective_names(compiled.as_text()))
         step = step if step is not None else min((s for _, _, s, _ in spans), default=0)
         rel = lambda t: round((t - step) / 1e6, 1)  # noqa: E731
-        union = {
-            k: _union([(s, e) for kind, _, s, e in spans if kind == k])
+        busy = {
+            k: union([(s, e) for kind, _, s, e in spans if kind == k])
             for k in ("collective", "compute")
         }
-        for kind, iv in union.items():
+        for kind, iv in busy.items():
             out[f"{kind}_ms"] = [rel(iv[0][0]), rel(iv[-1][1])] if iv else None
-            out[f"{kind}_busy_ms"] = round(_length(iv) / 1e6, 1)
+            out[f"{kind}_busy_ms"] = round(length(iv) / 1e6, 1)
         # Any thunk of the process computing while any of its collectives runs ...
-        out["overlap_ms"] = round(_length(_intersection(*union.values())) / 1e6, 1)
+        out["overlap_ms"] = round(length(intersection(*busy.values())) / 1e6, 1)
         # ... and the same, device by device (one device's collective beside its own
         # compute: overlap inside one executable's run), the mean over devices.
         per_device = []
         for d in sorted({dev for _, dev, _, _ in spans}):
             iv = [
-                _union([(s, e) for kind, dev, s, e in spans if kind == k and dev == d])
+                union([(s, e) for kind, dev, s, e in spans if kind == k and dev == d])
                 for k in ("collective", "compute")
             ]
             if iv[0] and iv[1]:
-                per_device.append(_length(_intersection(*iv)) / 1e6)
+                per_device.append(length(intersection(*iv)) / 1e6)
         out["overlap_same_device_ms"] = round(statistics.mean(per_device), 1) if per_device else 0.0
     return out
 

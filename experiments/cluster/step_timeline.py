@@ -8,7 +8,7 @@ cluster's MLP and step for every config (`cluster_worker.build`; `--compiler-opt
 compiles every step's executable with those XLA options), times `--steps` steps at
 `--rate` (configs alternating), then runs one more step per config under
 `jax.profiler.trace` with the veth's `tx_bytes` sampled every millisecond
-(`overlap_probe._TxSampler`): XLA:CPU's thunk executor records each thunk's start and end.
+(`_trace.TxSampler`): XLA:CPU's thunk executor records each thunk's start and end.
 `phases` splits that step into forward and backward + update and reports, per phase, the
 bytes the link carried and the time it needs for them, and per device how long its
 collective thunks ran, its compute thunks ran, and both at once, with the largest kinds of
@@ -53,7 +53,7 @@ def _spans(trace_dir: str, collectives: set[str]) -> list[tuple[str, str, int, i
     """`(name, kind, device, start_ns, end_ns)` of every thunk in a profiler trace, `kind`
     "collective", "compute" or "step" (the step's annotation, device -1); loop and call
     thunks, which only run nested thunks, are left out."""
-    from overlap_probe import thunk_events
+    from _trace import thunk_events
 
     out = []
     for name, device, start, end in thunk_events(trace_dir):
@@ -78,8 +78,8 @@ def worker(argv: list[str]) -> None:
     p.add_argument("--compiler-options", default="")
     args = p.parse_args(argv)
 
+    from _trace import STEP_ANNOTATION, TxSampler, collective_names
     from cluster_worker import UNLIMITED, build, shape_link
-    from overlap_probe import STEP_ANNOTATION, _collective_names, _TxSampler
 
     from zeropp_jax.launch import initialize_from_env
 
@@ -130,7 +130,7 @@ def worker(argv: list[str]) -> None:
                 times[name].append(time.perf_counter() - t)
         for name in names:
             trace_dir = tempfile.mkdtemp(prefix=f"step_trace_{me}_")
-            sampler = _TxSampler(args.iface)
+            sampler = TxSampler(args.iface)
             barrier()
             jax.profiler.start_trace(trace_dir)
             sampler.start()
@@ -143,7 +143,7 @@ def worker(argv: list[str]) -> None:
             sampler.stop.set()
             sampler.join(timeout=5)
             jax.profiler.stop_trace()
-            spans = _spans(trace_dir, _collective_names(hlo[name]))
+            spans = _spans(trace_dir, collective_names(hlo[name]))
             shutil.rmtree(trace_dir, ignore_errors=True)
             records[name] = dict(
                 t0=t0,
@@ -173,7 +173,7 @@ def phases(record: dict, rate_mbit: float | None) -> list[dict]:
     `rate_mbit`, and per device (the mean over this process's devices) the ms its
     collective thunks ran, its compute thunks ran, and both at once, with the compute
     thunks' five largest kinds on the process's first device."""
-    from overlap_probe import _intersection, _length, _union
+    from _trace import intersection, length, union
 
     spans = [tuple(x) for x in record["spans"]]
     start = next((s for _, k, _, s, _ in spans if k == "step"), record["t0"])
@@ -198,14 +198,12 @@ def phases(record: dict, rate_mbit: float | None) -> list[dict]:
         busy = []
         for d in devices:
             coll = clip(
-                _union(
-                    [(ms(s), ms(e)) for _, k, dv, s, e in spans if dv == d and k == "collective"]
-                )
+                union([(ms(s), ms(e)) for _, k, dv, s, e in spans if dv == d and k == "collective"])
             )
             comp = clip(
-                _union([(ms(s), ms(e)) for _, k, dv, s, e in spans if dv == d and k == "compute"])
+                union([(ms(s), ms(e)) for _, k, dv, s, e in spans if dv == d and k == "compute"])
             )
-            busy.append((_length(coll), _length(comp), _length(_intersection(coll, comp))))
+            busy.append((length(coll), length(comp), length(intersection(coll, comp))))
         kinds: dict[str, float] = {}
         for n, k, dv, s, e in spans:
             if k == "compute" and dv == devices[0] and a <= ms(s) < b:
