@@ -141,10 +141,13 @@ def test_checkpoint_errors(tmp_path):
 
 
 def _stacked_state(tx, mesh):
-    """A state with a stacked leaf (whose stored layout changed in versions 2 and 3) and
-    one step taken, so that the optimizer's moments are not zero."""
+    """A state with a stacked leaf (whose stored layout changed in versions 2 and 3), a
+    leaf of rank 3 that layout 5 stores as one row (no axis of `(5, 7)` fits 8 devices,
+    its axis 0 of 16 does) and one step taken, so that the optimizer's moments are not
+    zero."""
     params = {
         "stack": jnp.arange(3 * 5 * 7, dtype=jnp.float32).reshape(3, 5, 7) / 100,
+        "one_row": jnp.arange(16 * 5 * 7, dtype=jnp.float32).reshape(16, 5, 7) / 1000,
         "w": jnp.ones((5, 7), jnp.float32),
     }
     state = zpp.TrainState.create(apply_fn=lambda v, x: x, params=params, tx=tx, mesh=mesh)
@@ -159,12 +162,13 @@ def _stacked_state(tx, mesh):
 
 
 def _write_layout_1(path, state, opt_leaves, version=1):
-    """`state` saved as a previous layout wrote it: every leaf padded on its (row's) first
-    axis (layout 3: `stack` (3, 5, 7) stored (3, 8, 7), `w` (5, 7) stored (8, 7), where
-    layout 4 pads their last axis); stacked leaves then flattened per layer in version 2
-    (`(3, 56)`), and padded in values in version 1 (`C = ceil(35 / 8) * 8 = 40`, not 8 rows
-    x 7 = 56) with no `layout` field; the optimizer state's leaves are `opt_leaves(those
-    leaves)`."""
+    """`state` saved as a previous layout wrote it: layout 4 keeps axis 0 of every leaf of
+    rank 3 whole (`one_row` (16, 5, 7) stored (16, 5, 8), where layout 5 stores it as it
+    is, split on its axis 0); layout 3 pads every leaf on its (row's) first axis (`stack`
+    (3, 5, 7) stored (3, 8, 7), `w` (5, 7) stored (8, 7), where layouts 4 and 5 pad their
+    last axis); stacked leaves then flattened per layer in version 2 (`(3, 56)`), and
+    padded in values in version 1 (`C = ceil(35 / 8) * 8 = 40`, not 8 rows x 7 = 56) with
+    no `layout` field; the optimizer state's leaves are `opt_leaves(those leaves)`."""
     import json
     import os
 
@@ -177,11 +181,12 @@ def _write_layout_1(path, state, opt_leaves, version=1):
         lo = by_shape.get(tuple(x.shape))
         if lo is None:
             return x
-        v3 = part.with_devices(lo, n, version=3)
-        x = part.to_master(part.from_master(x, lo), v3)
-        if not lo.stacked or version == 3:
+        was = part.with_devices(lo, n, version=max(version, 3))
+        x = part.to_master(part.from_master(x, lo), was)
+        if not was.stacked or version >= 3:
             return x
-        return x.reshape(3, 56)[:, :40] if version == 1 else x.reshape(3, 56)
+        flat = x.reshape(was.lead, 56)
+        return flat[:, :40] if version == 1 else flat
 
     tree = {
         "step": state.step,
@@ -206,7 +211,7 @@ def _write_layout_1(path, state, opt_leaves, version=1):
         json.dump(meta, f)
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 def test_restores_a_checkpoint_of_the_previous_layout(tmp_path, version):
     mesh = mesh_of((2, 4))
     tx = optax.adam(0.1)
@@ -214,6 +219,9 @@ def test_restores_a_checkpoint_of_the_previous_layout(tmp_path, version):
     # Layout 4 pads the axis that fits 8 devices: 7 -> 8, where layout 3 padded 5 rows to 8.
     assert state.params["stack"].shape == (3, 5, 8)
     assert state.params["w"].shape == (5, 8)
+    # Layout 5 splits `one_row` on its axis 0 (16 rows, 2 per device), unpadded.
+    assert state.params["one_row"].shape == (16, 5, 7)
+    assert state.params["one_row"].sharding.spec == part.P(part.DP_AXES)
     _write_layout_1(tmp_path / "v", state, lambda leaves: leaves, version)
     target = zpp.TrainState.create(
         apply_fn=lambda v, x: x, params=zpp.gather_params(state), tx=tx, mesh=mesh
@@ -238,7 +246,9 @@ def test_previous_layout_with_shape_reading_optimizer_state_says_how_to_convert(
         state.layouts[0],
         [
             jax.ShapeDtypeStruct(
-                (3, 40) if lo.stacked else part.with_devices(lo, 8, version=1).stored_shape,
+                (lo.shape[0], 40)
+                if len(lo.shape) == 3
+                else part.with_devices(lo, 8, version=1).stored_shape,
                 jnp.float32,
             )
             for lo in layouts

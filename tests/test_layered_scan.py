@@ -199,11 +199,30 @@ def layers_split():
     return apply, params
 
 
+def one_row():
+    """A leaf of rank 3 stored as one row, `(16, 4, 12)`: no axis of a slice along axis 0
+    fits 8 devices (4 -> 8, 12 -> 16), its 16 does, so it is split on axis 0, unpadded
+    (`partition.keeps_layers`). Scanned over its axis 1 (MaxText's way), each device's
+    block is transposed locally into 4 layers of `(16, 12)`, each split on its 16 rows."""
+    rs = np.random.RandomState(7)
+    params = {"moved": (rs.randn(16, 4, 12) / np.sqrt(16)).astype(np.float32)}
+
+    def apply(variables, x):
+        def sub(h, w):
+            return h + jnp.tanh(h @ w) @ w.T, None
+
+        h, _ = jax.lax.scan(sub, x, jnp.moveaxis(variables["params"]["moved"], 1, 0))
+        return h
+
+    return apply, params
+
+
 PLACED = {
     "axis_one": axis_one,
     "lax_mix": lax_mix,
     "split_inner": split_inner,
     "layers_split": layers_split,
+    "one_row": one_row,
 }
 SPLIT_AXES = {
     "split_inner": {"back": 0, "down": 0, "heads": 2, "up": 1},
@@ -213,6 +232,7 @@ SPLIT_AXES = {
         "ScanCheckpointAxisOneBlock_0/Dense_0/kernel": 1,
     },
     "layers_split": {"moved": 0},
+    "one_row": {"moved": 0},
 }
 """Per model, the axis of each leaf's row (`LeafLayout.axis`) the stored layout splits."""
 
@@ -227,6 +247,8 @@ FORWARD_GATHERS = {
     "split_inner": {96 * 4: 2 * LAYERS},
     # moved: each layer re-laid out on its 12 rows, padded to 16: 16 x 12 values.
     "layers_split": {16 * 12 * 4: 8},
+    # moved: its 4 layers of (16, 12), unpadded.
+    "one_row": {16 * 12 * 4: 4},
 }
 """Per model, the whole-layer forward gathers it makes: bytes of one -> how many."""
 
@@ -266,6 +288,38 @@ def test_stacked_weights_are_gathered_per_layer_wherever_the_layer_axis_is(kind)
         if r.phase == "forward" and r.op == "all-gather" and r.out_bytes in FORWARD_GATHERS[kind]:
             gathers[r.out_bytes] = gathers.get(r.out_bytes, 0) + r.trip_count
     assert gathers == FORWARD_GATHERS[kind], ledger.to_markdown()
+
+
+def test_a_scan_over_the_axis_a_one_row_leaf_is_split_on_gathers_it_whole_and_says_so():
+    """`one_row`'s leaf scanned over its axis 0, the axis it is stored split on: no device
+    holds a share of each layer, so it is gathered whole before the loop, with a warning
+    naming the leaf; the step still matches one device."""
+    _, params = one_row()
+
+    def apply(variables, x):
+        def sub(h, w):  # a layer (4, 12): h's first 4 columns in, 12 out
+            return h.at[:, :12].add(jnp.tanh(h[:, :4] @ w)), None
+
+        h, _ = jax.lax.scan(sub, x, variables["params"]["moved"])
+        return h
+
+    ref = train_state.TrainState.create(apply_fn=apply, params=params, tx=TX)
+    state = zpp.TrainState.create(
+        apply_fn=apply,
+        params=params,
+        tx=TX,
+        mesh=zpp.make_mesh(2, 4),
+        config=zpp.ZeroPPConfig(**EXACT),
+    )
+    assert not state.layouts[1][0].stacked
+    step = zpp.shard(train_step)
+    with pytest.warns(UserWarning, match=r"\['moved'\].*axis 0, the axis it is stored split on"):
+        state, got = step(state, data(0))
+    ref, want = jax.jit(train_step)(ref, data(0))
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(
+        zpp.gather_params(state)["moved"], ref.params["moved"], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_zeropp_defaults_on_a_relaid_stack_stay_within_the_quantizer_bound():
@@ -325,11 +379,13 @@ KEPT_CASES = {
     "delta_axis_one": (axis_one, "delta", WIDTH * WIDTH * 4, 1, LAYERS),
     "delta_split_inner": (split_inner, "delta", 96 * 4, 2, LAYERS),
     "delta_layers_split": (layers_split, "delta", 16 * 12 * 4, 1, 8),
+    "delta_one_row": (one_row, "delta", 16 * 12 * 4, 1, 4),
 }
 """Per case: the model, the config, bytes of one gathered float32 layer of each stacked
 matrix, how many stacked matrices and their layers. `axis_one` stores its layer axis at 1: its
 reference is re-laid out per step locally, `layers_split`'s by one all-to-all over `local`.
-`split_inner`'s stacks are split on an inner axis (`SPLIT_AXES`)."""
+`split_inner`'s stacks are split on an inner axis (`SPLIT_AXES`); `one_row`'s leaf is stored
+as one row, its reference transposed locally."""
 
 
 @pytest.mark.parametrize("name", list(KEPT_CASES))

@@ -31,6 +31,12 @@ def layout(shape, n):
         ((4096, 4096), 1024, 1.0),
         ((50304, 768), 1024, 51200 / 50304),  # rows 50304 -> 51200: 1.018x, kept on axis 0
         ((32, 16384), 64, 1.0),  # a stacked bias: 16384, not the 32 layers
+        # Layout 5: axis 0 not kept whole where no axis of a slice fits and it pads less.
+        ((768, 12, 64), 128, 1.0),  # split on its 768 (a slice's 64 -> 128: 2.0x)
+        ((768, 12, 64), 1024, 4 / 3),  # 768 -> 1024 (a slice's 64 -> 1024: 16x)
+        ((4096, 32, 32, 128), 1024, 1.0),  # MaxText's, scanned on axis 1 (kept: 8.0x)
+        ((3, 3, 512, 512), 1024, 2.0),  # axis 0 (3 -> 1024) pads more: kept whole
+        ((4, 128, 512), 1024, 2.0),  # a 4-layer stack: kept whole
     ],
 )
 def test_share_ratio_follows_the_layout(shape, n, ratio):
@@ -57,8 +63,43 @@ def test_layout_3_padded_the_first_axis(shape, n, ratio):
     assert stored_share.share_ratio(lo, n) == pytest.approx(ratio)
 
 
+@pytest.mark.parametrize(
+    "shape, n, ratio",
+    [
+        # Layout 4 kept axis 0 of every leaf of rank >= 3 whole.
+        ((768, 12, 64), 128, 2.0),
+        ((768, 12, 64), 1024, 16.0),
+        ((4096, 32, 32, 128), 1024, 8.0),
+    ],
+)
+def test_layout_4_kept_every_axis_0_whole(shape, n, ratio):
+    lo = part.with_devices(layout(shape, n), n, version=4)
+    assert lo.stacked
+    assert stored_share.share_ratio(lo, n) == pytest.approx(ratio)
+
+
+@pytest.mark.parametrize(
+    "shape, n, keeps",
+    [
+        ((768, 12, 64), 8, True),  # a slice's 64 divides 8
+        ((768, 12, 64), 128, False),
+        ((16, 4, 12), 8, False),  # the test models' one-row leaf: 16 fits, 4 and 12 not
+        ((3, 3, 64, 64), 128, True),  # 3 pads more than a slice's 64
+        ((4, 128, 512), 1024, True),
+        ((12, 768, 2304), 1024, True),  # GPT-125M's qkv: 768 -> 1024 is 1.33x, 12 worse
+    ],
+)
+def test_axis_0_is_kept_whole_unless_splitting_the_whole_leaf_pads_less(shape, n, keeps):
+    lo = layout(shape, n)
+    assert part.keeps_layers(shape, n) == keeps == lo.stacked
+    if not keeps:
+        assert lo.axis == lo.padded_axis == 0 == part.view_axis(shape, n)
+        assert lo.stored_shape[1:] == shape[1:]
+        assert part.leaf_spec(lo) == part.P(part.DP_AXES)
+
+
 def test_over_share_names_the_big_padded_leaves_with_their_reason():
-    shapes = [(3, 3, 64, 64), (768, 12, 64), (3, 4), (1024, 1024), (60,)]
+    shapes = [(3, 3, 64, 64), (200, 12, 64), (3, 4), (1024, 1024), (60,)]
     layouts = [layout(s, 128) for s in shapes]
     excess = stored_share.over_share([f"leaf{i}" for i in range(5)], layouts, 128)
     # The Dense(4) kernel and the bias pad too, but are under EXEMPT_BYTES; the square
@@ -70,6 +111,12 @@ def test_over_share_names_the_big_padded_leaves_with_their_reason():
     assert conv.excess_bytes == 4 * 3 * 3 * 64 * 64 / 128
     assert "axis 0 (3) is kept whole as a layer axis" in conv.reason
     assert "pads its axis 2 from 64 to 128" in conv.reason
+    # No axis of a slice of (200, 12, 64) fits 128 (64 -> 128: 2.0x); its 200 pads less.
+    dense = excess[0]
+    assert dense.stored_shape == (256, 12, 64)
+    assert dense.ratio == 256 / 200
+    assert "axis 0 not kept whole" in dense.reason
+    assert "pads its axis 0 from 200 to 256" in dense.reason
     assert stored_share.state_ratio(layouts[3:4], 128) == 1.0
 
 

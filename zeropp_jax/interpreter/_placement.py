@@ -458,10 +458,15 @@ def _place_scan(
         view = layer_view.layer_view(lo.shape, x.chain)
         if view is None or ctx.uses.get(x.leaf, 1) > 1:
             return None
-        if not lo.stacked:
+        moved = view.axis != 0 or not lo.stacked
+        if len(lo.shape) < 3:
             # Per-layer vectors (biases, norm scales) are small: gathered whole, before the loop.
             xs[i] = _materialize(ctx, x, None)
-        elif view.axis != 0 and (lo.tensor_parallel or g.state(x.leaf).residuals):
+        elif moved and not relayout.can_relayout(lo, view.axis):
+            # Stored as one row split on the scan's own axis: no device holds a layer's share.
+            where = f"by a scan over its axis {view.axis}, the axis it is stored split on"
+            xs[i] = _materialize(ctx, x, where)
+        elif moved and (lo.tensor_parallel or g.state(x.leaf).residuals):
             # Re-laid out, a layer's residuals would need the same all-to-all, both ways.
             return None
         elif g.state(x.leaf).residuals and sorted(view.layers(length)) != list(range(lo.shape[0])):
@@ -483,7 +488,7 @@ def _place_scan(
         lz, lo = xs[i], g.layout(xs[i].leaf)
         stack = lz.shard
         states.append(g.state(lz.leaf))
-        if view.axis != 0:
+        if view.axis != 0 or not lo.stacked:
             stack = relayout.layers_to_front(stack, lo, view.axis)
             states[-1] = states[-1].relaid(view.axis)
             lo = relayout.layout(lo, view.axis, g.num_devices)

@@ -15,6 +15,12 @@ split evenly over the devices. Two cases, both in `layers_to_front`:
   `(N - 1) / N` of its shard); its transpose, another all-to-all, returns the reduced
   per-layer gradient pieces unquantized.
 
+A leaf of rank >= 3 stored as one row (`LeafLayout.keeps_layers` False: no axis of a
+layer fit the device count) is re-laid out the first way for a scan over any axis,
+axis 0 included, other than its split axis: each device's block, transposed. A scan over
+its split axis itself is not re-laid out (the interpreter gathers that leaf whole, with a
+warning).
+
 Either way the result is a stack the layered scan gathers per layer like any other
 (`layout`). With weight deltas, `reference_to_front` re-lays out the kept reference (the
 secondary shard) alike: locally, or by one all-to-all over `local`. Runs inside the
@@ -34,50 +40,75 @@ from zeropp_jax.state import _partition as part
 
 
 def _kept_axis(stored: part.LeafLayout, axis: int) -> int | None:
-    """Where the stored split axis lands in a layer `(D, other axes)` of the stack moved
-    for a scan over `axis`; None where the stored split axis is `axis` itself."""
-    split = 1 + stored.axis  # in the leaf's own axes
+    """Where the stored split axis lands in a layer `(other axes in order)` of the stack
+    moved for a scan over `axis` (`D`, axis 0, first where `axis` is not 0); None where
+    the stored split axis is `axis` itself."""
+    split = stored.padded_axis  # in the leaf's own axes
     if split == axis:
         return None
-    others = [k for k in range(1, len(stored.shape)) if k != axis]
-    return 1 + others.index(split)
+    others = [k for k in range(len(stored.shape)) if k != axis]
+    return others.index(split)
+
+
+def can_relayout(stored: part.LeafLayout, axis: int) -> bool:
+    """Whether `layers_to_front` re-lays out a leaf stored as `stored` for a scan over
+    `axis`: a stacked leaf (not split over `model`) for `axis >= 1`; a leaf of rank >= 3
+    stored as one row (`keeps_layers` False) for any axis other than its split axis."""
+    if stored.tensor_parallel or not stored.sharded or len(stored.shape) < 3:
+        return False
+    if stored.stacked:
+        return axis >= 1
+    return _kept_axis(stored, axis) is not None
 
 
 def layout(stored: part.LeafLayout, axis: int, num_devices: int) -> part.LeafLayout:
     """The layout of the stack `layers_to_front` makes of a leaf stored as `stored`: shape
-    `(layers, D, other axes)`, each layer split on the stored split axis where that is not
-    `axis` (padded as stored), else on `D`, padded to `ceil(D / N) * N` rows."""
+    `(layers, D, other axes)` (`(layers, other axes)` for `axis` 0), each layer split on
+    the stored split axis where that is not `axis` (padded as stored), else on `D`, padded
+    to `ceil(D / N) * N` rows."""
     shape = stored.shape
-    moved = (shape[axis], shape[0], *(d for k, d in enumerate(shape[1:], 1) if k != axis))
+    moved = (shape[axis], *(d for k, d in enumerate(shape) if k != axis))
     kept = _kept_axis(stored, axis)
     if kept is not None:
         row = list(moved[1:])
-        row[kept] = stored.padded_rows
-        return dataclasses.replace(stored, shape=moved, padded=math.prod(row), axis=kept)
+        row[kept] = stored.padded_length
+        return dataclasses.replace(
+            stored, shape=moved, padded=math.prod(row), axis=kept, keeps_layers=True
+        )
     rows = -(-shape[0] // num_devices)
     rest = math.prod(shape[1:]) // shape[axis]
     return dataclasses.replace(stored, shape=moved, padded=rows * num_devices * rest, axis=0)
 
 
+def _block(x: jax.Array, stored: part.LeafLayout, n: int, lead: tuple[int, ...]) -> jax.Array:
+    """`x` (a device's shard, or `lead` of them) shaped as its block of the stored leaf:
+    `(*lead, layers, *block_shape)` for a stacked leaf, `(*lead, *block_shape)` else."""
+    layers = (stored.shape[0],) if stored.stacked else ()
+    return x.reshape(*lead, *layers, *stored.block_shape(n))
+
+
 def layers_to_front(shard: jax.Array, stored: part.LeafLayout, axis: int) -> jax.Array:
-    """A device's stored shard `(D, C / N)` of a stacked leaf -> its stack `(layers,
-    values of its piece of one layer)` for a scan over `axis` of the leaf (`axis >= 1`),
-    laid out as `layout(stored, axis, N)`: a local transpose, or one all-to-all where the
-    stored split axis is `axis` (see the module docstring).
+    """A device's stored shard (`(D, C / N)` for a stacked leaf, its block for one stored
+    as one row) -> its stack `(layers, values of its piece of one layer)` for a scan over
+    `axis` of the leaf, laid out as `layout(stored, axis, N)`: a local transpose, or one
+    all-to-all where the stored split axis of a stacked leaf is `axis` (see the module
+    docstring).
 
     Raises:
-      ValueError: for a leaf that is not stacked, is split over `model`, or `axis` 0.
+      ValueError: where `can_relayout(stored, axis)` is False.
     """
-    if not stored.stacked or stored.tensor_parallel or axis < 1:
+    if not can_relayout(stored, axis):
         raise ValueError(
-            f"layers_to_front needs a stacked leaf not split over 'model' and an axis >= 1; "
-            f"got shape {stored.shape} (model_dim={stored.model_dim}), axis {axis}."
+            f"layers_to_front needs a stacked leaf not split over 'model' and an axis >= 1, "
+            f"or a leaf of rank >= 3 stored as one row and an axis other than its split "
+            f"axis; got shape {stored.shape} (model_dim={stored.model_dim}, stacked="
+            f"{stored.stacked}, split axis {stored.padded_axis}), axis {axis}."
         )
     axes = part.DP_AXES
     n = lax.axis_size(axes)
     shape = stored.shape
     if _kept_axis(stored, axis) is not None:
-        x = shard.reshape(shape[0], *stored.block_shape(n))
+        x = _block(shard, stored, n, ())
         return jnp.moveaxis(x, axis, 0).reshape(shape[axis], -1)
     rows = -(-shape[0] // n)
     x = jnp.pad(shard, ((0, rows * n - shape[0]), (0, 0))).reshape(n, rows, shard.shape[1])
@@ -118,16 +149,17 @@ def reference_to_front(
       `(num_nodes * layers * values of a piece of one layer,)`: the secondary shard of the
       re-laid-out pieces, in node order.
     """
-    if not stored.stacked or stored.tensor_parallel or axis < 1:
+    if not can_relayout(stored, axis):
         raise ValueError(
-            f"reference_to_front needs a stacked leaf not split over 'model' and an axis >= 1; "
-            f"got shape {stored.shape} (model_dim={stored.model_dim}), axis {axis}."
+            f"reference_to_front needs a leaf layers_to_front re-lays out (see "
+            f"can_relayout); got shape {stored.shape} (model_dim={stored.model_dim}, "
+            f"stacked={stored.stacked}, split axis {stored.padded_axis}), axis {axis}."
         )
     nn, ll = lax.axis_size(node_axis), lax.axis_size(local_axis)
     n = nn * ll
     shape = stored.shape
     if _kept_axis(stored, axis) is not None:
-        x = reference.reshape(nn, shape[0], *stored.block_shape(n))
+        x = _block(reference, stored, n, (nn,))
         return jnp.moveaxis(x, axis + 1, 1).reshape(-1)
     rows = -(-shape[0] // n)
     x = reference.reshape(nn, shape[0], -1)

@@ -2,7 +2,8 @@
 
 A leaf's share on `N` data-parallel devices is `size / N` of its values per device. The
 stored layout (`zeropp_jax.state._partition`) splits one axis of each kept row (the leaf; each
-slice of a leaf of rank 3 or more, whose axis 0 is kept whole as a layer axis) into
+slice of a leaf of rank 3 or more whose axis 0 is kept whole as a layer axis,
+`partition.keeps_layers`) into
 blocks of whole rows, one per device, padding that axis to a multiple of `N`: the first
 axis, unless another pads less and the first more than `RATIO_LIMIT` times
 (`partition.fit_axis`); a tensor-parallel leaf pads each `model` slice's first axis. The
@@ -80,12 +81,16 @@ def padding_reason(layout: LeafLayout, num_devices: int) -> str:
     else:
         if layout.stacked:
             where = (
-                f"axis 0 ({layout.lead}) is kept whole as a layer axis (every leaf of rank "
-                f">= 3 is), and each of its {layout.lead} slices"
+                f"axis 0 ({layout.lead}) is kept whole as a layer axis (splitting the whole "
+                f"leaf pads no less), and each of its {layout.lead} slices"
             )
+            why = f"no axis of {layout.row_shape} divides evenly: this one pads least"
+        elif len(layout.shape) >= 3:
+            where = "the leaf (axis 0 not kept whole: no axis of a slice along it fits)"
+            why = f"no axis of {layout.shape} divides evenly: this one pads least"
         else:
             where = "the leaf"
-        why = f"no axis of {layout.row_shape} divides evenly: this one pads least"
+            why = f"no axis of {layout.row_shape} divides evenly: this one pads least"
     return (
         f"{where} pads its axis {layout.padded_axis} from {rows} to {padded}, a multiple of "
         f"{num_devices} devices ({why}; each device holds a block of whole rows of it)"

@@ -354,14 +354,15 @@ def _leaf_plans(meta: dict[str, Any], target: TrainState, want: dict[str, Any]) 
     saved = L.saved_layouts(meta, layouts)
     owner = L.param_of(want, [p for p, _, _ in _param_table(target)])
     # Per leaf: (saved, target) layout of its parameter where the two split it over `model`
-    # differently, or split another axis over the data-parallel devices; the layout of the
+    # differently, split another axis over the data-parallel devices, or kept axis 0
+    # whole where the other did not (layout 5, `partition.keeps_layers`); the layout of the
     # stacked parameter (not split over `model`) it is or mirrors, shaped as the target
     # stores it.
     relayouts = [
         None
         if i is None
-        or (saved[i].model_dim, saved[i].model_size, saved[i].axis)
-        == (layouts[i].model_dim, layouts[i].model_size, layouts[i].axis)
+        or (saved[i].model_dim, saved[i].model_size, saved[i].axis, saved[i].stacked)
+        == (layouts[i].model_dim, layouts[i].model_size, layouts[i].axis, layouts[i].stacked)
         else (saved[i], layouts[i])
         for i in owner
     ]

@@ -7,6 +7,13 @@ A float leaf is cast to float32 (the master copy) and sharded over all `N` devic
   as stacked (`(layers, row...)`, as `nn.scan`, `nnx.scan` and MaxText lay out LLM
   blocks): axis 0 is kept whole, never split or padded, and each slice along it is a row.
   A scan over the layer axis finds each layer's slice sharded and padded on its own.
+  Unless no axis of a slice fits the device count and an axis of the whole leaf pads
+  less (`keeps_layers`): then the whole leaf is one row, as for rank 1 and 2. An
+  unscanned `DenseGeneral` kernel `(768, 12, 64)` on 128 devices is split on its axis 0
+  (1.0x its share), where keeping axis 0 whole stored each slice's 64 padded to 128
+  (2.0x); MaxText's `(4096, 32, 32, 128)` (scanned on axis 1) on 1,024 devices is split
+  on its 4096 (1.0x, 8.0x kept). A scan over another axis of such a leaf re-lays it out
+  locally (`zeropp_jax.interpreter._relayout`).
 - a row is split over the `N` devices on one of its axes, `fit_axis(row_shape, N)`: its
   first axis unless padding that to a multiple of `N` would store more than `RATIO_LIMIT`
   (1.05) times its values; then the axis that pads least (`N` divides it, where one does).
@@ -71,12 +78,14 @@ REFERENCE_SPEC = P("local")
 `(padded_size,)`, each local rank's secondary shard, the same on every node."""
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-LAYOUT_VERSION = 4
-"""The stored layout's version (see `with_devices`); checkpoints record it. Version 4
-splits each kept row on the axis that fits the device count (`fit_axis`); version 3 always
-split its first axis, storing a stacked leaf in its padded model shape, `(d0, padded rows,
-d2, ...)`; version 2 (the same values) flattened each layer, `(d0, C)`; version 1 also
-padded the flattened values rather than rows (`zeropp_jax.state._checkpoint` restores all four)."""
+LAYOUT_VERSION = 5
+"""The stored layout's version (see `with_devices`); checkpoints record it. Version 5
+keeps axis 0 of a leaf of rank >= 3 whole only where that pads no more than splitting the
+whole leaf (`keeps_layers`); version 4 always kept it whole; both split each kept row on
+the axis that fits the device count (`fit_axis`); version 3 always split its first axis,
+storing a stacked leaf in its padded model shape, `(d0, padded rows, d2, ...)`; version 2
+(the same values) flattened each layer, `(d0, C)`; version 1 also padded the flattened
+values rather than rows (`zeropp_jax.state._checkpoint` restores all five)."""
 RATIO_LIMIT = 1.05
 """A kept row is split on its first axis unless that pads it above this many times its
 values (`fit_axis`); a leaf stored above it is named at `TrainState.create`
@@ -101,6 +110,10 @@ class LeafLayout:
       model_size: `K`, the number of `model` slices (1 without tensor parallelism).
       axis: the axis of `row_shape` that padding lengthens and the data-parallel devices
         split (`fit_axis`); 0 for a tensor-parallel leaf.
+      keeps_layers: for a leaf of rank >= 3, whether axis 0 is kept whole as a layer
+        axis (`stacked`); False where no axis of a slice along it fits the device count
+        and an axis of the whole leaf pads less (`with_devices`, version 5): the whole
+        leaf is then one row.
     """
 
     shape: tuple[int, ...]
@@ -110,6 +123,7 @@ class LeafLayout:
     model_dim: int | None = None
     model_size: int = 1
     axis: int = 0
+    keeps_layers: bool = True
 
     @property
     def tensor_parallel(self) -> bool:
@@ -132,9 +146,9 @@ class LeafLayout:
 
     @property
     def stacked(self) -> bool:
-        """Whether axis 0 is kept whole (rank >= 3), so that a scan over it finds each
-        slice sharded on its own: a stacked matrix `(layers, rows, cols)`."""
-        return self.sharded and len(self.shape) >= 3
+        """Whether axis 0 is kept whole (rank >= 3, `keeps_layers`), so that a scan over
+        it finds each slice sharded on its own: a stacked matrix `(layers, rows, cols)`."""
+        return self.sharded and len(self.shape) >= 3 and self.keeps_layers
 
     @property
     def lead(self) -> int:
@@ -255,23 +269,36 @@ def fit_axis(row_shape: tuple[int, ...], num_devices: int) -> int:
     equals). A conv kernel's row `(3, 64, 64)` on 8 devices splits axis 1: 1.0x its
     values, where axis 0 would store 2.67x."""
 
-    def ratio(d: int) -> float:
-        return -(-d // num_devices) * num_devices / d
-
-    if ratio(row_shape[0]) <= RATIO_LIMIT:
+    if pad_ratio(row_shape[0], num_devices) <= RATIO_LIMIT:
         return 0
-    return min(range(len(row_shape)), key=lambda i: (ratio(row_shape[i]), i))
+    return min(range(len(row_shape)), key=lambda i: (pad_ratio(row_shape[i], num_devices), i))
+
+
+def pad_ratio(length: int, num_devices: int) -> float:
+    """An axis of `length` padded to a multiple of `num_devices`, over `length`."""
+    return -(-length // num_devices) * num_devices / length
+
+
+def keeps_layers(shape: tuple[int, ...], num_devices: int) -> bool:
+    """Whether a leaf of `shape` (rank >= 3, not tensor-parallel) keeps axis 0 whole as a
+    layer axis on `num_devices` devices: unless the axis `fit_axis` picks in one slice
+    along axis 0 pads above `RATIO_LIMIT` and the one it picks in the whole leaf pads
+    strictly less. A layer stack whose slices fit (every trainer GPT to 1,024 devices,
+    3x3 convs up to 512 channels on 512) keeps it; `(768, 12, 64)` on 128 devices does not
+    (1.0x against 2.0x)."""
+    row = pad_ratio(shape[1 + fit_axis(tuple(shape[1:]), num_devices)], num_devices)
+    whole = pad_ratio(shape[fit_axis(tuple(shape), num_devices)], num_devices)
+    return row <= RATIO_LIMIT or whole >= row
 
 
 def view_axis(shape: tuple[int, ...], num_devices: int) -> int:
     """The axis of a model-shaped leaf of `shape` (not tensor-parallel, rank >= 1) that the
     stored layout splits over `num_devices` data-parallel devices, counted in the leaf's
-    own axes: `fit_axis` of its row, one further for a stacked leaf (rank >= 3). Whoever
-    reshards a model-shaped view (`zeropp_jax._distributed_muon`) reads it here rather than
-    from the value's type, which does not carry it under `jax.jit`."""
-    if len(shape) >= 3:
-        return 1 + fit_axis(tuple(shape[1:]), num_devices)
-    return fit_axis(tuple(shape), num_devices)
+    own axes (`LeafLayout.padded_axis`). Whoever reshards a model-shaped view
+    (`zeropp_jax._distributed_muon`) reads it here rather than from the value's type,
+    which does not carry it under `jax.jit`."""
+    layout = with_devices(LeafLayout(tuple(shape), "float32", True, 0), num_devices)
+    return layout.padded_axis
 
 
 def with_devices(
@@ -279,10 +306,12 @@ def with_devices(
 ) -> LeafLayout:
     """The layout of the same leaf padded for `num_devices` data-parallel devices.
 
-    Versions 2 to 4 pad whole rows: a kept row (the leaf; one layer of a stacked leaf; one
+    Versions 2 to 5 pad whole rows: a kept row (the leaf; one layer of a stacked leaf; one
     `model` slice of a tensor-parallel one) is padded along one axis to a multiple of
     `num_devices`, so that every device holds a block of whole rows of that axis and the
-    model-shaped view is a crop. Version 4 (this one) picks that axis with `fit_axis`; 3
+    model-shaped view is a crop. Version 5 (this one) also decides whether a leaf of rank
+    >= 3 keeps axis 0 whole (`keeps_layers`); version 4 always kept it; 5 and 4 pick the
+    split axis with `fit_axis`; 3
     and 2 always padded the first (they differ only in how a stacked leaf is stored, see
     `LAYOUT_VERSION`); a tensor-parallel leaf pads the first in every version. Version 1
     (checkpoints written before) padded a stacked or tensor-parallel row's flattened values
@@ -290,8 +319,15 @@ def with_devices(
     """
     if not layout.sharded:
         return layout
-    if version not in (1, 2, 3, LAYOUT_VERSION):
+    if version not in range(1, LAYOUT_VERSION + 1):
         raise ValueError(f"layout version must be 1 to {LAYOUT_VERSION}, got {version!r}.")
+    keep = (
+        version < 5
+        or layout.tensor_parallel
+        or len(layout.shape) < 3
+        or keeps_layers(layout.shape, num_devices)
+    )
+    layout = dataclasses.replace(layout, keeps_layers=keep)
     structured = layout.stacked or layout.tensor_parallel
     if version == 1 and structured:
         padded = -(-layout.cols // num_devices) * num_devices

@@ -30,7 +30,7 @@ def layout_version(meta: dict[str, Any]) -> int:
     """The stored layout a checkpoint was written in (`partition.with_devices`): 1 for
     checkpoints without the field (written before the optimizer saw model shapes)."""
     version = int(meta.get("layout", 1))
-    if version not in (1, 2, 3, part.LAYOUT_VERSION):
+    if version not in range(1, part.LAYOUT_VERSION + 1):
         raise ValueError(
             f"the checkpoint's stored layout is version {version}; this zeropp_jax reads "
             f"versions 1 to {part.LAYOUT_VERSION}: restore it with the zeropp_jax that wrote it."
