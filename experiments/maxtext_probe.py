@@ -229,7 +229,9 @@ def unconstrained_inside_shard_map() -> None:
 # ----------------------------------------------------------------------------- the probe
 
 
-def build(maxtext: types.ModuleType, param_scan_axis: int):  # noqa: ANN201
+def build(  # noqa: ANN201
+    maxtext: types.ModuleType, param_scan_axis: int, heads: int = HEADS, head_dim: int = HEAD_DIM
+):
     """`(model, params, names)`: MaxText's decoder, its unboxed parameters and the
     logical names of each."""
     import flax.linen as nn
@@ -241,11 +243,11 @@ def build(maxtext: types.ModuleType, param_scan_axis: int):  # noqa: ANN201
     overrides = dict(
         decoder_block="llama2",
         base_emb_dim=WIDTH,
-        base_num_query_heads=HEADS,
-        base_num_kv_heads=HEADS,
+        base_num_query_heads=heads,
+        base_num_kv_heads=heads,
         base_mlp_dim=MLP,
         base_num_decoder_layers=LAYERS,
-        head_dim=HEAD_DIM,
+        head_dim=head_dim,
         vocab_size=VOCAB,
         max_target_length=SEQ,
         per_device_batch_size=1,
@@ -330,8 +332,18 @@ def run(model, params, tx_name: str) -> dict:  # noqa: ANN001
         )
         for (p, a), b in zip(got, want, strict=True)
     }
+    stored = {
+        path: "one row" if lo.sharded and not lo.stacked else "stacked"
+        for path, lo in zip(
+            [jax.tree_util.keystr(p) for p, _ in got], state.layouts[1], strict=True
+        )
+    }
     return {
         "ledger": ledger,
+        "stored": {
+            k: f"{v}, {tuple(lo.stored_shape)} split on axis {lo.padded_axis}"
+            for (k, v), lo in zip(stored.items(), state.layouts[1], strict=True)
+        },
         "warnings": whole_warnings,
         "loss_err": loss_err,
         "errs": errs,
@@ -348,6 +360,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--deps", default=None, help="folder with pydantic and omegaconf (Python 3.11)")
     p.add_argument("--param-scan-axis", type=int, default=1, help="MaxText's default: 1")
+    p.add_argument("--heads", type=int, default=HEADS, help=f"attention heads (default {HEADS})")
+    p.add_argument(
+        "--head-dim",
+        type=int,
+        default=HEAD_DIM,
+        help=f"head width (default {HEAD_DIM}); --heads 3 --head-dim 12 stores the attention "
+        "kernels (64, 2, 3, 12) as one row split on their axis 0 (no axis of a layer fits 8 "
+        "devices), re-laid out locally for the scan",
+    )
     p.add_argument("--out", default=str(_common.study_dir("maxtext_probe")))
     args = p.parse_args(argv)
     if args.maxtext is None and importlib.util.find_spec("maxtext") is None:
@@ -360,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         how = "as installed, no backports"
     where = pathlib.Path(maxtext.__file__).parent
-    model, params, names = build(maxtext, args.param_scan_axis)
+    model, params, names = build(maxtext, args.param_scan_axis, args.heads, args.head_dim)
     from _library import placement
 
     runs = {tx: run(model, params, tx) for tx in ("sgd", "adam")}
@@ -382,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
                 key,
                 str(tuple(leaf.shape)),
                 str(names[key]),
+                runs["sgd"]["stored"][key],
                 4 * leaf.size // LAYERS,
                 whole,
                 f"{runs['sgd']['errs'][key]:.1e}",
@@ -392,6 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         "stacked weight",
         "shape",
         "logical names",
+        "stored (layout, global shape, split axis)",
         "one layer (B)",
         "whole-stack gathers",
         "max rel err SGD",
@@ -404,8 +427,8 @@ def main(argv: list[str] | None = None) -> None:
     text = (
         f"# MaxText's decoder under zpp.shard\n\n{machine}; maxtext {version} ({how}; "
         f"`{where}`).\n\n"
-        f"`transformer_as_linen`, Llama-2 block, d_model {WIDTH}, {LAYERS} layers, {HEADS} "
-        f"heads, MLP {MLP}, vocabulary {VOCAB}, sequence {SEQ}, batch {BATCH}, "
+        f"`transformer_as_linen`, Llama-2 block, d_model {WIDTH}, {LAYERS} layers, {args.heads} "
+        f"heads of {args.head_dim}, MLP {MLP}, vocabulary {VOCAB}, sequence {SEQ}, batch {BATCH}, "
         f"`scan_layers=True`, `param_scan_axis={args.param_scan_axis}`, `remat_policy=full`, "
         "float32; ZeRO-3 unquantized with flat gathers on a 2 x 4 mesh against `jax.jit` on "
         f"one device, {STEPS} steps (SGD 0.1; Adam 1e-2). Whole-gather warnings: "
