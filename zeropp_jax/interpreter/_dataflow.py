@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from zeropp_jax import _tensor_parallel as tensor_parallel
 from zeropp_jax.state import _partition as part
@@ -32,9 +33,12 @@ class Gathers(Protocol):
 
     `reduce`'s `layer` is folded into the leaf's stochastic-rounding key (a scan's layer
     index, or which of a shared weight's per-use reductions it is); None: the key as is.
+    `barrier_ties`: whether the program is for GPUs, whose compiler keeps
+    `lax.optimization_barrier`, so that `tie` orders with one (see `tie`).
     """
 
     num_devices: int
+    barrier_ties: bool
 
     def layout(self, leaf: int) -> part.LeafLayout: ...
     def name(self, leaf: int) -> str: ...
@@ -55,19 +59,24 @@ class Gathers(Protocol):
     ) -> jax.Array: ...
 
 
-def tie(to: Any, x: Any) -> Any:
+def tie(to: Any, x: Any, *, barrier: bool = False) -> Any:
     """`x`, computed from `to`: a data dependency that makes every array of `x` wait for
     the arrays of `to` (None: `x` as it is).
 
-    XLA's CPU pipeline removes `lax.optimization_barrier` before scheduling, so the tie is
-    a real one: `-0.0` derived from one element of `to` (also when it is NaN or
+    XLA's CPU pipeline removes `lax.optimization_barrier` before scheduling, so there the
+    tie is a real one: `-0.0` derived from one element of `to` (also when it is NaN or
     infinite), cast to each array's dtype and added to it. `v + -0.0 == v` for every float
     `v` (signed zeros and NaN included) and `v + 0 == v` for integers, so values are
-    unchanged to the bit; the cost is one pass over `x`, a piece or a secondary shard.
+    unchanged to the bit; the cost is one pass over `x`, a piece or a secondary shard, and
+    a one-element kernel. With `barrier` (a program for GPUs, whose compiler keeps the
+    barrier): `lax.optimization_barrier` over the first array of `to` and `x`, which
+    costs no kernel and no pass.
     """
     leaves = [v for v in jax.tree_util.tree_leaves(to) if is_inexact(v) and v.size]
     if not leaves:
         return x
+    if barrier:
+        return lax.optimization_barrier((leaves[0], x))[1]
     first = jnp.ravel(leaves[0])[0].astype(jnp.float32)
     zero = jnp.where(first == first, -jnp.minimum(jnp.abs(first), 0.0), -0.0)
     return jax.tree_util.tree_map(lambda v: v + zero.astype(v.dtype), x)

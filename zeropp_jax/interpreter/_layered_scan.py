@@ -226,7 +226,7 @@ class _Run:
     def fetch(self, shards, states, i, after):
         """Layer i's `(flats, wires)`, gathered once `after` exists."""
         loop, g = self.loop, self.loop.gathers
-        pieces = dataflow.tie(after, _take(shards, i))
+        pieces = dataflow.tie(after, _take(shards, i), barrier=loop.gathers.barrier_ties)
         states = loop.states_at(states, i)
         wires = [g.wire(leaf, p, s) for leaf, p, s in zip(loop.leaves, pieces, states, strict=True)]
         flats = [
@@ -268,7 +268,9 @@ class _Run:
         """Layer i's gathered weights for the backward, once `after` exists: re-gathered
         from the kept wires (or wires computed again), or the kept layer itself."""
         loop, g = self.loop, self.loop.gathers
-        kept_i, pieces = dataflow.tie(after, (_take(kept, i), _take(shards, i)))
+        kept_i, pieces = dataflow.tie(
+            after, (_take(kept, i), _take(shards, i)), barrier=loop.gathers.barrier_ties
+        )
         states_i = loop.states_at(states, i)
         kept_i = [
             g.wire(leaf, p, s) if again else w

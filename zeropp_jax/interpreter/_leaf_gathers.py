@@ -137,6 +137,8 @@ class LeafGathers:
       check_vma: whether the island checks varying axes (tensor-parallel leaves run their
         collectives in a nested shard_map over `model` that checks alike).
       states: per leaf, its `LeafState` (traced).
+      barrier_ties: whether `dataflow.tie` orders with `lax.optimization_barrier` (the
+        mesh's devices are GPUs, whose compiler keeps it) rather than a `-0.0` add.
     """
 
     layouts: tuple[part.LeafLayout, ...]
@@ -145,6 +147,7 @@ class LeafGathers:
     num_devices: int
     check_vma: bool
     states: tuple[LeafState, ...]
+    barrier_ties: bool = False
 
     def layout(self, leaf: int) -> part.LeafLayout:
         return self.layouts[leaf]
@@ -173,7 +176,8 @@ class LeafGathers:
             wire = self._per_rank(leaf, fn, (piece,), ())
             return tuple(checkpoint_name(w, weight_gather.SECONDARY_NAME) for w in wire)
         # Read once the piece exists (ordered like the gathers that read the shard).
-        return weight_gather.reference_wire(piece, dataflow.tie(piece, ref), self.spec)
+        ref = dataflow.tie(piece, ref, barrier=self.barrier_ties)
+        return weight_gather.reference_wire(piece, ref, self.spec)
 
     def gather(
         self,

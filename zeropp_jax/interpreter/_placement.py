@@ -296,7 +296,7 @@ def _at_use(
     keep = use_vjp.keeps_residuals(run_eqn, acts, [lz.aval for lz in lazies], _shard_bytes(lazies))
 
     def forward(pieces, acts, states, tie):
-        pieces = dataflow.tie(tie, pieces)
+        pieces = dataflow.tie(tie, pieces, barrier=ctx.gathers.barrier_ties)
         wires = [g.wire(leaf, p, s) for leaf, p, s in zip(leaves, pieces, states, strict=True)]
         return flats(pieces, wires, states, False), (pieces, wires)
 
@@ -313,7 +313,10 @@ def _at_use(
 
     def use_bwd(saved, cts):
         pieces, wires, acts, states, tie, vjp = saved
-        pieces, wires = dataflow.tie(cts, dataflow.tie(acts, (pieces, wires)))
+        barrier = ctx.gathers.barrier_ties
+        pieces, wires = dataflow.tie(
+            cts, dataflow.tie(acts, (pieces, wires), barrier=barrier), barrier=barrier
+        )
         d_acts, d_flat = _pull(run_eqn, full, vjp, acts, flats(pieces, wires, states, True), cts)
         d_pieces, d_states = [], []
         for s, (dp, new_residuals) in zip(
@@ -343,7 +346,9 @@ def _shared(
     if lz.leaf not in ctx.shared:
         state = g.state(lz.leaf)
         with jax.named_scope(scope) if scope else contextlib.nullcontext():
-            piece = dataflow.tie(ctx.tie, part.piece(lz.shard, g.layout(lz.leaf)))
+            piece = dataflow.tie(
+                ctx.tie, part.piece(lz.shard, g.layout(lz.leaf)), barrier=g.barrier_ties
+            )
             wire = g.wire(lz.leaf, piece, state)
             flat = g.full(lz.leaf, piece, wire, state)
         ctx.shared[lz.leaf] = (flat, wire, lax.stop_gradient(piece))
@@ -400,7 +405,10 @@ def _at_shared_use(
 
     def use_bwd(saved, cts):
         acts, wires, pieces, states, vjp = saved
-        pieces, wires = dataflow.tie(cts, dataflow.tie(acts, (pieces, wires)))
+        barrier = ctx.gathers.barrier_ties
+        pieces, wires = dataflow.tie(
+            cts, dataflow.tie(acts, (pieces, wires), barrier=barrier), barrier=barrier
+        )
         again = [
             g.gather(leaf, p, w, s, True)
             for leaf, p, w, s in zip(leaves, pieces, wires, states, strict=True)
