@@ -446,9 +446,9 @@ ORIGINS = {
         "`dataflow.tie`, the f32 -> bf16 cast of the wire, `partition.unpiece`), forward, "
         "remat forward and backward; XLA FSDP's: `baselines.py:cast_floats`, once per step",
         "cast each stored piece to the compute dtype once per step (a bf16 copy of the "
-        "shard, 1/N of the model) and gather from it at every use; on a GPU, order with "
-        "`lax.optimization_barrier` instead of `dataflow.tie` (its `-0.0` scalar kernels "
-        "and the add pass over the piece), which XLA:GPU keeps",
+        "shard, 1/N of the model) and gather from it at every use. Done: on a GPU, "
+        "`dataflow.tie` orders with `lax.optimization_barrier` (XLA:GPU keeps it), not its "
+        "`-0.0` scalar kernels and the add pass over the piece",
     ),
     "finite": Origin(
         "non-finite check of the gradients",

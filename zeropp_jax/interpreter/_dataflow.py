@@ -69,14 +69,15 @@ def tie(to: Any, x: Any, *, barrier: bool = False) -> Any:
     `v` (signed zeros and NaN included) and `v + 0 == v` for integers, so values are
     unchanged to the bit; the cost is one pass over `x`, a piece or a secondary shard, and
     a one-element kernel. With `barrier` (a program for GPUs, whose compiler keeps the
-    barrier): `lax.optimization_barrier` over the first array of `to` and `x`, which
-    costs no kernel and no pass.
+    barrier): `lax.optimization_barrier` over one element of `to` and `x`, which costs no
+    pass over `x` (one element, not the whole of `to`: a barrier over a whole activation
+    makes XLA write it out where it would have fused it into its consumer).
     """
     leaves = [v for v in jax.tree_util.tree_leaves(to) if is_inexact(v) and v.size]
     if not leaves:
         return x
     if barrier:
-        return lax.optimization_barrier((leaves[0], x))[1]
+        return lax.optimization_barrier((jnp.ravel(leaves[0])[0], x))[1]
     first = jnp.ravel(leaves[0])[0].astype(jnp.float32)
     zero = jnp.where(first == first, -jnp.minimum(jnp.abs(first), 0.0), -0.0)
     return jax.tree_util.tree_map(lambda v: v + zero.astype(v.dtype), x)
