@@ -83,6 +83,13 @@ def tie(to: Any, x: Any, *, barrier: bool = False) -> Any:
     return jax.tree_util.tree_map(lambda v: v + zero.astype(v.dtype), x)
 
 
+def tie_after(tos: Sequence[Any], x: Any, *, barrier: bool = False) -> Any:
+    """`x` tied to each of `tos` in turn (`tie`): it waits for all of them."""
+    for to in tos:
+        x = tie(to, x, barrier=barrier)
+    return x
+
+
 def apply_chain(x: jax.Array, chain: Sequence[tuple[Any, dict[str, Any]]]) -> jax.Array:
     """Binds each `(primitive, params)` of `chain` to `x` in turn."""
     for prim, params in chain:

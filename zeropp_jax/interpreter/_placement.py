@@ -296,7 +296,7 @@ def _at_use(
     keep = use_vjp.keeps_residuals(run_eqn, acts, [lz.aval for lz in lazies], _shard_bytes(lazies))
 
     def forward(pieces, acts, states, tie):
-        pieces = dataflow.tie(tie, pieces, barrier=ctx.gathers.barrier_ties)
+        pieces = dataflow.tie(tie, pieces, barrier=g.barrier_ties)
         wires = [g.wire(leaf, p, s) for leaf, p, s in zip(leaves, pieces, states, strict=True)]
         return flats(pieces, wires, states, False), (pieces, wires)
 
@@ -313,10 +313,7 @@ def _at_use(
 
     def use_bwd(saved, cts):
         pieces, wires, acts, states, tie, vjp = saved
-        barrier = ctx.gathers.barrier_ties
-        pieces, wires = dataflow.tie(
-            cts, dataflow.tie(acts, (pieces, wires), barrier=barrier), barrier=barrier
-        )
+        pieces, wires = dataflow.tie_after((acts, cts), (pieces, wires), barrier=g.barrier_ties)
         d_acts, d_flat = _pull(run_eqn, full, vjp, acts, flats(pieces, wires, states, True), cts)
         d_pieces, d_states = [], []
         for s, (dp, new_residuals) in zip(
@@ -405,10 +402,7 @@ def _at_shared_use(
 
     def use_bwd(saved, cts):
         acts, wires, pieces, states, vjp = saved
-        barrier = ctx.gathers.barrier_ties
-        pieces, wires = dataflow.tie(
-            cts, dataflow.tie(acts, (pieces, wires), barrier=barrier), barrier=barrier
-        )
+        pieces, wires = dataflow.tie_after((acts, cts), (pieces, wires), barrier=g.barrier_ties)
         again = [
             g.gather(leaf, p, w, s, True)
             for leaf, p, w, s in zip(leaves, pieces, wires, states, strict=True)

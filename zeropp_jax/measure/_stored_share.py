@@ -84,13 +84,11 @@ def padding_reason(layout: LeafLayout, num_devices: int) -> str:
                 f"axis 0 ({layout.lead}) is kept whole as a layer axis (splitting the whole "
                 f"leaf pads no less), and each of its {layout.lead} slices"
             )
-            why = f"no axis of {layout.row_shape} divides evenly: this one pads least"
         elif len(layout.shape) >= 3:
             where = "the leaf (axis 0 not kept whole: no axis of a slice along it fits)"
-            why = f"no axis of {layout.shape} divides evenly: this one pads least"
         else:
             where = "the leaf"
-            why = f"no axis of {layout.row_shape} divides evenly: this one pads least"
+        why = f"no axis of {layout.row_shape} divides evenly: this one pads least"
     return (
         f"{where} pads its axis {layout.padded_axis} from {rows} to {padded}, a multiple of "
         f"{num_devices} devices ({why}; each device holds a block of whole rows of it)"
