@@ -452,10 +452,11 @@ ORIGINS = {
     ),
     "finite": Origin(
         "non-finite check of the gradients",
-        "`zeropp_jax/_engine.py:_all_finite` (always, for `grads_finite`), in "
-        "`TrainState.apply_gradients`",
-        "compute it only with `skip_nonfinite_updates`, or read it off the global norm "
-        "the optimizer's clipping computes (`isfinite(global_norm)`): one scalar, no pass",
+        "`zeropp_jax/state/_finite.py` (always, for `grads_finite`), in "
+        "`TrainState.apply_gradients` (`_engine.py:_all_finite` before)",
+        "one reduction over every leaf, not one per leaf. Done: on a GPU, "
+        "`finite.per_device` joins each device's blocks, which XLA:GPU fuses into one "
+        "reduction",
     ),
     "engine": Origin("other engine code", "`zeropp_jax/` (engine, optimizer view)", "-"),
     "model": Origin(
@@ -475,6 +476,10 @@ ORIGINS = {
 }
 
 
+FINITE_SOURCES = ("zeropp_jax/state/_finite.py", "zeropp_jax/_engine.py:_all_finite")
+"""Where the non-finite check's kernels come from (now, and in programs saved before)."""
+
+
 def origin_of(kernel: Kernel) -> str:
     """The key of `ORIGINS` a kernel belongs to, read off its source and `op_name`."""
     source = source_of(kernel)
@@ -482,7 +487,7 @@ def origin_of(kernel: Kernel) -> str:
         return "pallas"
     if any(source.startswith(p) for p in WEIGHT_PATH):
         return "weights"
-    if source.startswith("zeropp_jax/_engine.py:_all_finite"):
+    if source.startswith(FINITE_SOURCES):
         return "finite"
     if source.startswith("zeropp_jax/") and not source.startswith("zeropp_jax/train/"):
         return "engine"

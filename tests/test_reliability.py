@@ -47,6 +47,24 @@ def test_nonfinite_gradients_reported_and_skipped(skip):
         assert any(np.any(~np.isfinite(x)) for x in jax.tree_util.tree_leaves(after))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_one_non_finite_gradient_element_on_one_device_is_skipped(bad):
+    # One element of one device's block: a float max across devices dropped such a NaN
+    # (grads_finite was True and the NaN reached the weights).
+    mesh = zpp.make_mesh(2, 4)
+    config = zpp.ZeroPPConfig(skip_nonfinite_updates=True)
+    params = {"w": np.ones((64, 16), np.float32), "b": np.ones((16,), np.float32)}
+    state = zpp.TrainState.create(
+        apply_fn=lambda v, x: x, params=params, tx=TX, mesh=mesh, config=config
+    )
+    g = np.zeros((64, 16), np.float32)
+    g[63, 5] = bad  # the last row: the last device's block
+    grads = {"w": jax.device_put(g, state.params["w"].sharding), "b": state.params["b"] * 0}
+    new = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
+    assert not bool(new.grads_finite) and int(new.skipped_steps) == 1
+    np.testing.assert_array_equal(np.asarray(new.params["w"]), np.asarray(state.params["w"]))
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_nonfinite_block_stays_in_its_block_through_two_hops(bits, bad):

@@ -26,13 +26,14 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 
 from zeropp_jax import _tensor_parallel as tensor_parallel
-from zeropp_jax._choices import Plan, resolve
+from zeropp_jax._choices import Plan, mesh_platform, resolve
 from zeropp_jax._config import ZeroPPConfig
 from zeropp_jax._mesh import data_parallel_size, mesh_shape, model_axis_size
 from zeropp_jax._references import advance_weight_references, full_weight_references
 from zeropp_jax.interpreter import _jaxpr_compat as jaxpr_compat
 from zeropp_jax.interpreter._island import IslandApply, is_array, make_island_apply
 from zeropp_jax.measure import _stored_share as stored_share
+from zeropp_jax.state import _finite as finite
 from zeropp_jax.state import _optimizer_view as optimizer_view
 from zeropp_jax.state import _partition as part
 from zeropp_jax.state import _residuals as R
@@ -40,24 +41,6 @@ from zeropp_jax.state import _state_init as state_init
 from zeropp_jax.wire import kernels
 
 # ----------------------------------------------------------------------------- state
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    """Whether every float leaf of `tree` is free of NaN and infinity.
-
-    Written as a reduction, `isfinite(max(|x|))` (XLA's max propagates NaN): an
-    elementwise `all(isfinite(x))` became, in XLA's CPU pipeline, a loop fusion that
-    recomputes the backward's last write into each stacked gradient, which made XLA copy
-    the stack and keep a boolean array of its size.
-    """
-    leaves = [
-        x
-        for x in jax.tree_util.tree_leaves(tree)
-        if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
-    ]
-    if not leaves:
-        return jnp.array(True)
-    return jnp.all(jnp.stack([jnp.isfinite(jnp.max(jnp.abs(x))) for x in leaves]))
 
 
 def _leaf_layouts(
@@ -301,7 +284,7 @@ class TrainState(train_state.TrainState):
         new_params, new_opt_state = optimizer_view.update(
             self.tx, grads, self.opt_state, params, self.layouts[1], self.opt_mirror, self.mesh
         )
-        finite = _all_finite(grads)
+        finite = self._grads_finite(grads)
         skipped = self.skipped_steps
         if new_res is not None:
             new_res = R.advance(new_res, self.step, self.plan)
@@ -331,6 +314,13 @@ class TrainState(train_state.TrainState):
             grads_finite=finite,
             **kwargs,
         )
+
+    def _grads_finite(self, grads: Any) -> jax.Array:
+        """`grads_finite` of gradients in the stored layout (`finite.all_finite`: one
+        flag per device; on GPUs each device's blocks joined into one reduction)."""
+        specs = [part.leaf_spec(lo) for lo in self.layouts[1]]
+        gpu = mesh_platform(self.mesh) == "gpu"
+        return finite.all_finite(jax.tree_util.tree_leaves(grads), specs, self.mesh, join=gpu)
 
     @property
     def plan(self) -> Plan:

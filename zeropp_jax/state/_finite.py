@@ -1,0 +1,73 @@
+"""Whether the gradients are free of NaN and infinity (`TrainState.grads_finite`).
+
+Each device reads its own blocks of every float leaf (`shard_map`) and writes one flag;
+the flags are combined outside as booleans. A float reduction across devices would not
+do: XLA:CPU's cross-device `max` drops a NaN that only one device holds, so the global
+`isfinite(max(|x|))` this replaced answered True for a gradient with one NaN in one
+device's block (and `skip_nonfinite_updates` wrote it into the weights).
+
+On a device, two forms of one answer, picked by the platform the step compiles for:
+
+- `join=False`: one reduction per block, `isfinite(max(|b|))` (XLA's max propagates
+  NaN). XLA:CPU runs each where the leaf is written and holds nothing more; joined, its
+  concatenation of every block would be materialised (a copy of all of them).
+- `join=True`: the blocks joined, one reduction. XLA:GPU fuses the join into the
+  reduction and reads each block once, in one kernel (two with the reduction's second
+  pass), where a reduction per block is a kernel per leaf (76 more fusions in the 125M
+  GPT's step, RESULTS "The engine's own cost on one GPU").
+
+Integer leaves cannot be non-finite and are not read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+
+def _float_leaves(leaves: Sequence[Any]) -> list[int]:
+    """Indices of the leaves a NaN or infinity can be in (inexact, not empty)."""
+    return [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+
+
+def _block_finite(blocks: Sequence[jax.Array], join: bool) -> jax.Array:
+    """A scalar bool: every element of `blocks` (one device's) is finite."""
+    if not join:
+        return jnp.all(jnp.stack([jnp.isfinite(jnp.max(jnp.abs(b))) for b in blocks]))
+    # |x| keeps a complex leaf's non-finite parts; the widest dtype keeps every finite
+    # value finite.
+    dtype = jnp.result_type(*(jnp.abs(b).dtype for b in blocks))
+    return jnp.isfinite(
+        jnp.max(jnp.concatenate([jnp.abs(b).astype(dtype).ravel() for b in blocks]))
+    )
+
+
+def all_finite(
+    leaves: Sequence[jax.Array], specs: Sequence[P], mesh: Mesh, *, join: bool
+) -> jax.Array:
+    """A scalar bool: every float leaf is free of NaN and infinity.
+
+    Args:
+      leaves: global arrays on `mesh`.
+      specs: each leaf's `PartitionSpec`, as it is stored (another spec would make XLA
+        move the leaf to read it).
+      mesh: the mesh the leaves live on.
+      join: read each device's blocks as one reduction (for XLA:GPU) rather than one per
+        block (for XLA:CPU); the answer is the same.
+    """
+    idx = _float_leaves(leaves)
+    if not idx:
+        return jnp.array(True)
+    ones = (1,) * len(mesh.axis_names)
+    flags = jax.shard_map(
+        lambda *blocks: _block_finite(blocks, join).reshape(ones),
+        mesh=mesh,
+        in_specs=tuple(specs[i] for i in idx),
+        out_specs=P(*mesh.axis_names),
+    )(*(leaves[i] for i in idx))
+    return jnp.all(flags)
