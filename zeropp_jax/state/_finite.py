@@ -42,9 +42,10 @@ def _block_finite(blocks: Sequence[jax.Array], join: bool) -> jax.Array:
     # |x| keeps a complex leaf's non-finite parts; the widest dtype keeps every finite
     # value finite.
     dtype = jnp.result_type(*(jnp.abs(b).dtype for b in blocks))
-    return jnp.isfinite(
-        jnp.max(jnp.concatenate([jnp.abs(b).astype(dtype).ravel() for b in blocks]))
-    )
+    rows = [jnp.abs(b).astype(dtype).reshape(-1, b.shape[-1] if b.ndim else 1) for b in blocks]
+    partial = jnp.concatenate([jnp.max(r, axis=1) for r in rows])
+    partial = jax.lax.optimization_barrier(partial)
+    return jnp.isfinite(jnp.max(partial))
 
 
 def all_finite(
