@@ -455,8 +455,8 @@ ORIGINS = {
         "`zeropp_jax/state/_finite.py` (always, for `grads_finite`), in "
         "`TrainState.apply_gradients` (`_engine.py:_all_finite` before)",
         "one reduction over every leaf, not one per leaf. Done: on a GPU, "
-        "`finite.per_device` joins each device's blocks, which XLA:GPU fuses into one "
-        "reduction",
+        "`finite.all_finite(join=True)` reduces each leaf's rows (fused into its update "
+        "where XLA can) and joins the row maxima behind a barrier into one reduction",
     ),
     "engine": Origin("other engine code", "`zeropp_jax/` (engine, optimizer view)", "-"),
     "model": Origin(

@@ -11,10 +11,14 @@ On a device, two forms of one answer, picked by the platform the step compiles f
 - `join=False`: one reduction per block, `isfinite(max(|b|))` (XLA's max propagates
   NaN). XLA:CPU runs each where the leaf is written and holds nothing more; joined, its
   concatenation of every block would be materialised (a copy of all of them).
-- `join=True`: the blocks joined, one reduction. XLA:GPU fuses the join into the
-  reduction and reads each block once, in one kernel (two with the reduction's second
-  pass), where a reduction per block is a kernel per leaf (76 more fusions in the 125M
-  GPT's step, RESULTS "The engine's own cost on one GPU").
+- `join=True`: each block's rows reduced to their maxima (a row reduction, which XLA:GPU
+  fuses into the optimizer's update of the leaf where it can), the maxima of every block
+  joined into one small vector, and one reduction over it. The vector passes an
+  optimization barrier, which XLA:GPU keeps: without it, XLA's simplifier splits a
+  reduction of a concatenation back into one reduction per operand, and each of those
+  is a kernel of its own. In the 125M GPT's step on one H200 this is 28 kernels where
+  a reduction per leaf was 76 (RESULTS "The engine's own cost on one GPU"). XLA:CPU
+  drops barriers, so it would split there anyway.
 
 Integer leaves cannot be non-finite and are not read.
 """
@@ -36,7 +40,7 @@ def _float_leaves(leaves: Sequence[Any]) -> list[int]:
 
 
 def _block_finite(blocks: Sequence[jax.Array], join: bool) -> jax.Array:
-    """A scalar bool: every element of `blocks` (one device's) is finite."""
+    """A scalar bool: every element of `blocks` (one device's, any shapes) is finite."""
     if not join:
         return jnp.all(jnp.stack([jnp.isfinite(jnp.max(jnp.abs(b))) for b in blocks]))
     # |x| keeps a complex leaf's non-finite parts; the widest dtype keeps every finite
