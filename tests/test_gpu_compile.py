@@ -340,6 +340,28 @@ def test_engine_programs_on_one_h200_run_xla_fsdps_gemms_and_no_codec():
         assert checks and len(scalar) == 1, (engine, scalar)
 
 
+@needs_plugin
+def test_zero3_on_h200s_gathers_each_remat_block_weight_once_in_the_backward():
+    """In a program for GPUs a use inside a remat block keeps the weights its recompute
+    gathered for its backward (`Gathers.hold_recomputed`): the trainer's GPT unscanned
+    under `--remat full` gathers no more in the backward than in the forward. (On CPU,
+    where the program gathers again, the backward's gathers are 1.62x the forward's.)"""
+    import warnings
+
+    import gpu_overhead
+
+    import zeropp_jax as zpp
+
+    mesh = gpu_compile.gpu_mesh("h200", 2, 4)
+    argv = ["--batch", "8", "--seq-len", "64", "--no-scan-layers", "--remat", "full"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fn, state, batch = gpu_overhead.build_step("ZeRO-3", mesh, argv)
+        ledger = zpp.comm_ledger(fn, state, batch)
+    gathers = {p: b for (op, p), b in ledger.bytes_by("op", "phase").items() if op == "all-gather"}
+    assert 0 < gathers["backward"] <= gathers["forward"], gathers
+
+
 class _Lowered:
     """Stands in for `jax.stages.Lowered`: refuses options named in `refused`."""
 

@@ -402,3 +402,50 @@ def test_a_use_keeps_its_residuals_unless_they_would_hold_the_weight(head, rerun
         plain, m_ref = ref_step(plain, data(t))
         np.testing.assert_allclose(float(m["loss"]), float(m_ref["loss"]), rtol=1e-5)
     assert max_rel_err(zpp.gather_params(state), plain.params) <= 1e-5
+
+
+# ------------------------------------------------------- remat: the recompute's weights
+
+
+def _remat_step(monkeypatch, hold: bool):
+    """One ZeRO-3 step of a small GPT (the trainer's model), unscanned, each block under
+    `nn.remat`, on 2 x 4 CPU devices, with the GPU program's `hold_recomputed` forced to
+    `hold`: (the new parameters, the ledger's all-gather bytes per phase)."""
+    from zeropp_jax.interpreter import _island as island
+    from zeropp_jax.interpreter import _leaf_gathers as leaf_gathers
+    from zeropp_jax.train.model import GPT, GPTConfig, init_params, loss_fn
+
+    # The class itself: `island.LeafGathers` may already be an earlier call's stand-in.
+    build = leaf_gathers.LeafGathers
+    monkeypatch.setattr(
+        island, "LeafGathers", lambda **kw: build(**{**kw, "hold_recomputed": hold})
+    )
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, remat="full")
+    mesh = zpp.make_mesh(2, 4)
+    config = zpp.ZeroPPConfig.zero3()
+    state = zpp.TrainState.create(
+        apply_fn=GPT(cfg).apply, params=init_params(cfg, 0), tx=TX, mesh=mesh, config=config
+    )
+    tokens = np.random.RandomState(0).randint(0, 64, (16, 17)).astype(np.int32)
+
+    def step_fn(state, batch):
+        grads = jax.grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
+        return state.apply_gradients(grads=grads), {}
+
+    step = zpp.shard(step_fn, mesh=mesh, config=config)
+    ledger = zpp.comm_ledger(step, state, tokens)
+    gathers = {p: b for (op, p), b in ledger.bytes_by("op", "phase").items() if op == "all-gather"}
+    return zpp.gather_params(step(state, tokens)[0]), gathers
+
+
+def test_a_use_in_a_remat_block_holds_its_recomputed_weights_where_asked(monkeypatch):
+    # The GPU program's form, forced on CPU: the same step bit for bit, and the backward
+    # gathers each block weight once (in its recompute), not a second time for its use's
+    # backward.
+    held, held_gathers = _remat_step(monkeypatch, hold=True)
+    again, again_gathers = _remat_step(monkeypatch, hold=False)
+    for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert held_gathers["forward"] == again_gathers["forward"]
+    assert held_gathers["backward"] <= held_gathers["forward"]
+    assert again_gathers["backward"] > 1.5 * again_gathers["forward"], again_gathers

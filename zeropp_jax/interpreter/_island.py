@@ -248,6 +248,7 @@ class _Island:
             num_devices=plan.num_devices,
             check_vma=plan.check_vma,
             barrier_ties=plan.platform == "gpu",
+            hold_recomputed=plan.platform == "gpu",
             states=tuple(
                 LeafState(k, ref, r, lo, plan.num_devices)
                 for k, ref, r, lo in zip(keys, refs, res, layouts, strict=True)

@@ -139,6 +139,9 @@ class LeafGathers:
       states: per leaf, its `LeafState` (traced).
       barrier_ties: whether `dataflow.tie` orders with `lax.optimization_barrier` (the
         mesh's devices are GPUs, whose compiler keeps it) rather than a `-0.0` add.
+      hold_recomputed: whether a use inside a remat block holds the weights its recompute
+        gathered for its backward rather than gathering them again (the mesh's devices
+        are GPUs; see `dataflow.Gathers`).
     """
 
     layouts: tuple[part.LeafLayout, ...]
@@ -148,6 +151,7 @@ class LeafGathers:
     check_vma: bool
     states: tuple[LeafState, ...]
     barrier_ties: bool = False
+    hold_recomputed: bool = False
 
     def layout(self, leaf: int) -> part.LeafLayout:
         return self.layouts[leaf]

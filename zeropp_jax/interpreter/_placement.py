@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from zeropp_jax import _tensor_parallel as tensor_parallel
 from zeropp_jax.interpreter import _dataflow as dataflow
@@ -67,6 +68,9 @@ from zeropp_jax.wire._weight_gather import SECONDARY_NAME
 
 WHOLE_SCOPE = "zeropp_whole_gather"
 """Named scope of every gather of a whole leaf that the engine could not place per use."""
+GATHERED_NAME = "zeropp_gathered"
+"""`checkpoint_name` of a use's gathered weights inside a remat block: the recompute's
+gather, held for the use's backward; no remat policy saves it from the forward pass."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,7 @@ class Context:
     reductions: dict[int, int] = dataclasses.field(default_factory=dict)
     tie: Any = None
     warned: set[tuple[int, str]] = dataclasses.field(default_factory=set)
+    in_remat: bool = False
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -242,7 +247,12 @@ def _checkpointed(remat: jaxpr_compat.Remat, invals: list[Any], ctx: Context) ->
     others = [x for i, x in enumerate(invals) if i not in lazy_idx]
     names = jax.checkpoint_policies.save_only_these_names(SECONDARY_NAME)
     user = remat.policy
-    policy = names if user is None else jax.checkpoint_policies.save_from_both_policies(user, names)
+    saved = names if user is None else jax.checkpoint_policies.save_from_both_policies(user, names)
+
+    def policy(prim: Any, *args: Any, **params: Any) -> bool:
+        # A use's gathered weight, held from the recompute to its backward, is never saved
+        # from the forward pass (whatever the user's policy saves).
+        return params.get("name") != GATHERED_NAME and saved(prim, *args, **params)
 
     def block(shards, others):
         it_s, it_o = iter(shards), iter(others)
@@ -257,6 +267,7 @@ def _checkpointed(remat: jaxpr_compat.Remat, invals: list[Any], ctx: Context) ->
             ctx.per_use,
             reductions=ctx.reductions,
             warned=ctx.warned,
+            in_remat=True,
         )
         return evaluate(remat.jaxpr, remat.consts, args, sub)
 
@@ -306,15 +317,22 @@ def _at_use(
 
     def use_fwd(pieces, acts, states, tie):
         flat, (pieces, wires) = forward(pieces, acts, states, tie)
+        # Inside a remat block this runs again in the backward (the recompute), before
+        # `use_bwd`: its gathered weights can be held for it rather than gathered a third
+        # time (`Gathers.hold_recomputed`).
+        hold = ctx.in_remat and g.hold_recomputed
+        held = [checkpoint_name(f, GATHERED_NAME) for f in flat] if hold else None
         if not keep:
-            return run_flat(acts, flat), (pieces, wires, acts, states, tie, None)
+            return run_flat(acts, flat), (pieces, wires, acts, states, tie, None, held)
         out, vjp = use_vjp.forward(run_eqn, acts, full(flat))
-        return out, (pieces, wires, acts, states, tie, vjp)
+        return out, (pieces, wires, acts, states, tie, vjp, held)
 
     def use_bwd(saved, cts):
-        pieces, wires, acts, states, tie, vjp = saved
-        pieces, wires = dataflow.tie_after((acts, cts), (pieces, wires), barrier=g.barrier_ties)
-        d_acts, d_flat = _pull(run_eqn, full, vjp, acts, flats(pieces, wires, states, True), cts)
+        pieces, wires, acts, states, tie, vjp, held = saved
+        if held is None:
+            pieces, wires = dataflow.tie_after((acts, cts), (pieces, wires), barrier=g.barrier_ties)
+            held = flats(pieces, wires, states, True)
+        d_acts, d_flat = _pull(run_eqn, full, vjp, acts, held, cts)
         d_pieces, d_states = [], []
         for s, (dp, new_residuals) in zip(
             states, g.reduce(leaves, d_flat, states, None), strict=True
