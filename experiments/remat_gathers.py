@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import os
 import pathlib
+import shlex
 import sys
 import warnings
 from collections.abc import Iterator
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = [row(e, f, mesh, flags) for e in ENGINES for f in FORMS]
     head = (
         f"# Gathers of remat blocks, held or gathered again\n\n{_common.machine_line()}\n\n"
-        f"`{' '.join(['python experiments/remat_gathers.py', *(argv or sys.argv[1:])])}`: the "
+        f"`{shlex.join(['python', 'experiments/remat_gathers.py', *(argv or sys.argv[1:])])}`: the "
         f"trainer's GPT (`{' '.join(flags)}`) on {args.mesh} {target}. `hold`: a use's "
         "backward reads the weights its block's recompute gathered (the engine's form on "
         "GPUs); `gather again`: it gathers them again (the form on CPUs). Gathers and "
