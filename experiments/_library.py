@@ -10,7 +10,9 @@ when one does, this file is the one to fix.
 # ruff: noqa: F401
 from zeropp_jax import _choices as choices
 from zeropp_jax._activation_sharding import constrain_to_batch
+from zeropp_jax.interpreter import _island as island
 from zeropp_jax.interpreter import _jaxpr_compat as jaxpr_compat
+from zeropp_jax.interpreter import _leaf_gathers as leaf_gathers
 from zeropp_jax.interpreter import _placement as placement
 from zeropp_jax.measure import _hlo_text as hlo_text
 from zeropp_jax.measure import _stored_share as stored_share

@@ -52,8 +52,7 @@ def trainer_argv(model: str, seq_len: int, devices: int, extra: list[str]) -> li
 def forced_hold(hold: bool) -> Iterator[None]:
     """The island builds its `LeafGathers` with `hold_recomputed=hold`, whatever the
     platform (the engine's choice is `plan.platform == "gpu"`)."""
-    from zeropp_jax.interpreter import _island as island
-    from zeropp_jax.interpreter import _leaf_gathers as leaf_gathers
+    from _library import island, leaf_gathers
 
     build = leaf_gathers.LeafGathers
     island.LeafGathers = lambda **kw: build(**{**kw, "hold_recomputed": hold})
