@@ -55,6 +55,20 @@ def test_one_non_finite_element_in_one_block_is_found_read_either_way(leaf, inde
     assert _both(leaves) == (False, False)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("spec", [P(part.DP_AXES), P()])
+def test_one_non_finite_element_in_a_large_leaf_is_found(spec, bad):
+    # 8 x 8192 values: XLA:CPU's reduce-max drops a NaN from about 4,096 values up
+    # (openxla/xla#21461), so a maximum over the block missed this NaN, sharded or not.
+    mesh = zpp.make_mesh(2, 4)
+    x = np.ones((8, 8192), np.float32)
+    x[5, 1234] = bad
+    leaf = jax.device_put(x, NamedSharding(mesh, spec))
+    for join in (False, True):
+        check = jax.jit(lambda ls, j=join: finite.all_finite(ls, (spec,), mesh, join=j))
+        assert not bool(check([leaf])), join
+
+
 def test_the_largest_finite_values_stay_finite():
     # The joined form reads the widest dtype: a float32 near its maximum beside bfloat16
     # leaves does not overflow.

@@ -1,18 +1,21 @@
 """Whether the gradients are free of NaN and infinity (`TrainState.grads_finite`).
 
 Each device reads its own blocks of every float leaf (`shard_map`) and writes one flag;
-the flags are combined outside as booleans. A float reduction across devices would not
-do: XLA:CPU's cross-device `max` drops a NaN that only one device holds, so the global
-`isfinite(max(|x|))` this replaced answered True for a gradient with one NaN in one
-device's block (and `skip_nonfinite_updates` wrote it into the weights).
+the flags are combined outside as booleans. Within a device the check is a sum of
+`|x| * 0`, which is 0 where every value is finite and NaN otherwise, in any summation
+order. A maximum would not do: XLA:CPU's reduce-max drops NaN from about 4,096 values up
+(openxla/xla#21461, as `quant.block_absmax` says), and its cross-device `max` drops a NaN
+that one device holds. The `isfinite(max(|x|))` on the global arrays that this replaced
+answered True for a gradient holding a NaN in a leaf of 4,096 values or more, or in one
+device's block of any leaf, and `skip_nonfinite_updates` wrote it into the weights.
 
 On a device, two forms of one answer, picked by the platform the step compiles for:
 
-- `join=False`: one reduction per block, `isfinite(max(|b|))` (XLA's max propagates
-  NaN). XLA:CPU runs each where the leaf is written and holds nothing more; joined, its
-  concatenation of every block would be materialised (a copy of all of them).
-- `join=True`: each block's rows reduced to their maxima (a row reduction, which XLA:GPU
-  fuses into the optimizer's update of the leaf where it can), the maxima of every block
+- `join=False`: one reduction per block. XLA:CPU runs each where the leaf is written and
+  holds nothing more; joined, its concatenation of every block would be materialised (a
+  copy of all of them).
+- `join=True`: each block's rows reduced to their sums (a row reduction, which XLA:GPU
+  fuses into the optimizer's update of the leaf where it can), the sums of every block
   joined into one small vector, and one reduction over it. The vector passes an
   optimization barrier, which XLA:GPU keeps: without it, XLA's simplifier splits a
   reduction of a concatenation back into one reduction per operand, and each of those
@@ -39,17 +42,20 @@ def _float_leaves(leaves: Sequence[Any]) -> list[int]:
     return [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
 
 
+def _zero_or_nan(b: jax.Array) -> jax.Array:
+    """0 where `b` is finite, NaN where it is not (`|b| * 0`; `|b|` keeps a complex
+    value's non-finite part)."""
+    return jnp.abs(b) * 0
+
+
 def _block_finite(blocks: Sequence[jax.Array], join: bool) -> jax.Array:
     """A scalar bool: every element of `blocks` (one device's, any shapes) is finite."""
     if not join:
-        return jnp.all(jnp.stack([jnp.isfinite(jnp.max(jnp.abs(b))) for b in blocks]))
-    # |x| keeps a complex leaf's non-finite parts; the widest dtype keeps every finite
-    # value finite.
-    dtype = jnp.result_type(*(jnp.abs(b).dtype for b in blocks))
-    rows = [jnp.abs(b).astype(dtype).reshape(-1, b.shape[-1] if b.ndim else 1) for b in blocks]
-    partial = jnp.concatenate([jnp.max(r, axis=1) for r in rows])
+        return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(_zero_or_nan(b))) for b in blocks]))
+    rows = [_zero_or_nan(b).reshape(-1, b.shape[-1] if b.ndim else 1) for b in blocks]
+    partial = jnp.concatenate([jnp.sum(r, axis=1, dtype=jnp.float32) for r in rows])
     partial = jax.lax.optimization_barrier(partial)
-    return jnp.isfinite(jnp.max(partial))
+    return jnp.isfinite(jnp.sum(partial))
 
 
 def all_finite(
