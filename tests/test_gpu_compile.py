@@ -344,8 +344,8 @@ def test_engine_programs_on_one_h200_run_xla_fsdps_gemms_and_no_codec():
 def test_zero3_on_h200s_gathers_each_remat_block_weight_once_in_the_backward():
     """In a program for GPUs a use inside a remat block keeps the weights its recompute
     gathered for its backward (`Gathers.hold_recomputed`): the trainer's GPT unscanned
-    under `--remat full` gathers no more in the backward than in the forward. (On CPU,
-    where the program gathers again, the backward's gathers are 1.62x the forward's.)"""
+    under `--remat full` gathers no more in the backward than in the forward (the CPU
+    form gathers each of those weights twice there)."""
     import warnings
 
     import gpu_overhead

@@ -60,9 +60,11 @@ from zeropp_jax.interpreter import _indexed_scan as indexed_scan
 from zeropp_jax.interpreter import _jaxpr_compat as jaxpr_compat
 from zeropp_jax.interpreter import _layer_view as layer_view
 from zeropp_jax.interpreter import _layered_scan as layered_scan
+from zeropp_jax.interpreter import _lazy as lazy
 from zeropp_jax.interpreter import _relayout as relayout
 from zeropp_jax.interpreter import _use_vjp as use_vjp
 from zeropp_jax.interpreter._jaxpr_reads import CHAIN_PRIMITIVES, count_uses
+from zeropp_jax.interpreter._lazy import Lazy
 from zeropp_jax.state import _partition as part
 from zeropp_jax.wire._weight_gather import SECONDARY_NAME
 
@@ -71,24 +73,6 @@ WHOLE_SCOPE = "zeropp_whole_gather"
 GATHERED_NAME = "zeropp_gathered"
 """`checkpoint_name` of a use's gathered weights inside a remat block: the recompute's
 gather, held for the use's backward; no remat policy saves it from the forward pass."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Lazy:
-    """A sharded weight not gathered yet.
-
-    Attributes:
-      leaf: parameter leaf index.
-      shard: the per-device shard as the island holds it (`partition.island_shard`:
-        `(lead, C / N)` or `(C / N,)`).
-      aval: the abstract value this stands for (after `chain`).
-      chain: layout-only equations `(primitive, params)` to apply after gathering.
-    """
-
-    leaf: int
-    shard: jax.Array
-    aval: Any
-    chain: tuple[tuple[Any, dict[str, Any]], ...] = ()
 
 
 @dataclasses.dataclass
@@ -466,10 +450,10 @@ def _place_scan(
         eqn, invals, layers = rewritten
         n = len(invals) - len(layers)
         for k, (start, step) in enumerate(layers):
-            invals[n + k] = _layers_read(invals[n + k], start, step, length)
+            invals[n + k] = lazy.layers_read(invals[n + k], start, step, length)
         return _place_scan(eqn, jaxpr_compat.scan_of(eqn), invals, ctx)
     if scan.reverse:
-        xs = [_reversed(x) for x in xs]
+        xs = [lazy.reverse(x) for x in xs]
     matrices, views = [], []
     for i, x in enumerate(xs):
         if not isinstance(x, Lazy):
@@ -546,34 +530,6 @@ def _place_scan(
 def _unreversed(outs: list[Any], num_carry: int) -> list[Any]:
     """A forward scan's outputs over reversed `xs` -> the reversed scan's."""
     return outs[:num_carry] + [lax.rev(y, (0,)) for y in outs[num_carry:]]
-
-
-def _layers_read(lz: Lazy, start: int, step: int, length: int) -> Lazy:
-    """`lz` (stacked along axis 0) cut to the layers `start + step * k`, k < `length`: a
-    slice (after a reversal for a negative step) in its chain."""
-    chain = list(lz.chain)
-    size = lz.aval.shape[0]
-    if step < 0:
-        chain.append((lax.rev_p, {"dimensions": (0,)}))
-        start, step = size - 1 - start, -step
-    ndim = len(lz.aval.shape)
-    limit = start + step * (length - 1) + 1
-    if (start, step, limit) != (0, 1, size):
-        params = {
-            "start_indices": (start,) + (0,) * (ndim - 1),
-            "limit_indices": (limit, *lz.aval.shape[1:]),
-            "strides": None if step == 1 else (step,) + (1,) * (ndim - 1),
-        }
-        chain.append((lax.slice_p, params))
-    shape = (length, *lz.aval.shape[1:])
-    return dataclasses.replace(lz, chain=tuple(chain), aval=lz.aval.update(shape=shape))
-
-
-def _reversed(x: Any) -> Any:
-    """`x` reversed along axis 0 (a lazy weight: one more equation in its chain)."""
-    if isinstance(x, Lazy):
-        return dataclasses.replace(x, chain=(*x.chain, (lax.rev_p, {"dimensions": (0,)})))
-    return lax.rev(x, (0,))
 
 
 # ----------------------------------------------------------------------------- entry
