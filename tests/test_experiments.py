@@ -398,10 +398,11 @@ def test_write_csv_heads_an_empty_table_with_its_fieldnames(tmp_path):
         _common.write_csv(tmp_path / "u.csv", [])
 
 
-def test_gpu_overhead_counts_a_loop_body_once_per_trip():
-    """`experiments/gpu_overhead.py` reads a compiled program's kernels: a loop body's run
-    once per trip (its known trip count), a GEMM's flops `2 x output x contracted`."""
-    import gpu_overhead as go
+def test_program_kernels_counts_a_loop_body_once_per_trip():
+    """`experiments/program_kernels.py` (`gpu_overhead.py`'s reader) reads a compiled
+    program's kernels: a loop body's run once per trip (its known trip count), a GEMM's
+    flops `2 x output x contracted`."""
+    import program_kernels as go
 
     def f(x, w):
         return jax.lax.fori_loop(0, 5, lambda i, x: jnp.tanh(x @ w) * 2.0 + 1.0, x).sum()
