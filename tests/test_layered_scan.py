@@ -454,3 +454,40 @@ def test_weight_deltas_and_error_feedback_gather_and_reduce_each_layer(name, mon
     assert max(r.out_bytes for r in whole_gathers if r.op == "all-gather") >= stack
     # The whole route holds the stacks gathered; the layered one about a layer of each.
     assert whole_temp - temp >= (layers - 1) * matrices * stack // layers, (temp, whole_temp)
+
+
+class NormBiasBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        u = jnp.tanh(nn.Dense(2 * WIDTH)(nn.LayerNorm()(h)))
+        return h + nn.Dense(WIDTH)(u), None
+
+
+class NormBiasStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(
+            NormBiasBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+        )
+        return scan()(x, None)[0]
+
+
+def test_a_scans_per_layer_vectors_share_one_gradient_reduction():
+    """The stacked biases and norm scales a scan reads are gathered whole before its loop,
+    together: their gradients leave through one two-hop reduction (one all-to-all per hop),
+    not one per vector (four here: each compiled its own quantizers and collectives, issue
+    #48's compile time). The sums are those of each reduced alone, to the bit
+    (`test_weight_gather`)."""
+    model = NormBiasStack()
+    x = data(0)["x"]
+    params = model.init(jax.random.key(0), x)["params"]
+    state = zpp.TrainState.abstract(
+        apply_fn=model.apply, params=params, tx=TX, mesh=zpp.make_mesh(2, 4)
+    )
+    text = zpp.shard(train_step).lower(state, data(0)).compile().as_text()
+    whole = [
+        line
+        for line in text.splitlines()
+        if " all-to-all(" in line and placement.WHOLE_SCOPE in line
+    ]
+    assert len(whole) == 2, whole

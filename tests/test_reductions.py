@@ -2,6 +2,7 @@
 the quantizer's analytic bound (half a step per value and quantization event) when
 quantized."""
 
+import collections
 import functools
 
 import jax
@@ -12,6 +13,7 @@ from _support import SCALE_ROUNDING, block_steps, per_device, rand
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax import make_mesh
+from zeropp_jax.measure._hlo_text import parse_hlo_module
 from zeropp_jax.wire import _encoding as wire
 from zeropp_jax.wire import reductions
 from zeropp_jax.wire.quant import qmax
@@ -202,3 +204,34 @@ def test_two_hop_takes_a_spec_or_its_fields_not_both():
         TwoHop.of(spec, {"bits": 8}, "f")
     with pytest.raises(TypeError):
         TwoHop.of(None, {"bitz": 8}, "f")  # a misspelt field is not silently dropped
+
+
+@pytest.mark.parametrize("bits", [4, 8, "e4m3"])
+def test_two_hop_compiles_one_quantizer_and_one_collective_per_hop(bits):
+    """XLA:CPU splits an all-to-all into one slice per peer and would fuse an elementwise
+    quantizer into each: a hop over `G` devices compiled `G` quantizers, and the blocks'
+    values and scales went as two collectives (issue #48's compile time). Each hop now
+    quantizes once and sends its scales with its values (`reductions.exchange_blocks`),
+    and an int4 hop joins its bit planes once per sum, not once per peer."""
+    mesh = make_mesh(2, 4)
+    x = rand((8, 8 * 4 * 512), seed=3)
+
+    def island(x):
+        return reductions.two_hop_reduce_scatter(
+            x[0], bits=bits, block_size=256, node_bits=bits, node_block_size=256
+        )
+
+    f = jax.jit(
+        jax.shard_map(
+            island, mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("local", "node"))
+        )
+    )
+    module = parse_hlo_module(f.lower(x).compile().as_text())
+    ops = collections.Counter(i.opcode for comp in module.computations.values() for i in comp)
+    assert ops["all-to-all"] == 2  # one per hop
+    if bits != "e4m3":  # e4m3 rounds in its conversion
+        assert ops["round-nearest-even"] == 2  # hop 1's quantizer, and hop 2's (fused)
+    if bits == 4:
+        # Per hop: the values and scales joined to be sent, the summed planes joined (hop
+        # 2 also its fused sum of hop 1), whatever the group size.
+        assert ops["concatenate"] <= 6

@@ -1,5 +1,6 @@
-"""Bucketed gradient reductions (`zeropp_jax.wire._weight_gather.reduce_gradients`): the gradients
-that fill whole quantization blocks share one reduction, bit for bit what each gets alone."""
+"""Bucketed gradient reductions (`zeropp_jax.wire._weight_gather.reduce_gradients`): gradients
+share one reduction, bit for bit what each gets alone (a piece that is not whole blocks is
+zero-padded to whole blocks, unless the reduction rotates)."""
 
 import collections
 
@@ -14,7 +15,11 @@ from zeropp_jax.measure._hlo_text import parse_hlo_module
 from zeropp_jax.wire import _weight_gather as W
 
 N = 8
-SPECS = {  # name: (GatherSpec fields, the collective each reduction runs)
+SPECS = {  # name: (GatherSpec fields, collectives reduced alone, bucketed)
+    # The four bf16 gradients share a bucket (the float32 one is alone); rotated, the one
+    # whose piece is not whole blocks is reduced alone too. Each two-hop reduction runs
+    # one all-to-all per hop (a block's scale travels with its values); ZeRO-3's ring one
+    # collective-permute (in its loop), float32 one reduce-scatter.
     "zeropp int8, int4, rotated": (
         dict(
             grad_bits=8,
@@ -23,9 +28,19 @@ SPECS = {  # name: (GatherSpec fields, the collective each reduction runs)
             grad_rotation_block_size=16,
             grad_hop2_rotation_block_size=16,
         ),
-        "all-to-all",
+        {"all-to-all": 10},
+        {"all-to-all": 6},
     ),
-    "zero3 bf16 ring": (dict(grad_bits=None, grad_hop2_bits=None, two_hop=False), "collective"),
+    "zeropp int8, int4": (
+        dict(grad_bits=8, grad_hop2_bits=4, two_hop=True),
+        {"all-to-all": 10},
+        {"all-to-all": 4},
+    ),
+    "zero3 bf16 ring": (
+        dict(grad_bits=None, grad_hop2_bits=None, two_hop=False),
+        {"collective-permute": 4, "reduce-scatter": 1},
+        {"collective-permute": 1, "reduce-scatter": 1},
+    ),
 }
 
 
@@ -89,7 +104,7 @@ def _collectives(text):
 
 @pytest.mark.parametrize("name", SPECS)
 def test_bucketed_reduction_is_bit_identical_in_fewer_collectives(name):
-    fields, op = SPECS[name]
+    fields, collectives_alone, collectives_bucketed = SPECS[name]
     spec = _spec(fields)
     gs = _gradients()
     alone, alone_text = _reduce(spec, gs, bucketed=False)
@@ -97,19 +112,19 @@ def test_bucketed_reduction_is_bit_identical_in_fewer_collectives(name):
     for a, b in zip(alone, together, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    before, after = _collectives(alone_text), _collectives(together_text)
-    # Of the three block-filling bf16 gradients (pieces of 64, 128, 192), the first two
-    # share one reduction (together no larger than the third): one fewer of each.
-    assert sum(after.values()) < sum(before.values())
-    if op == "all-to-all":
-        assert after["all-to-all"] == before["all-to-all"] * 4 // 5
+    assert _collectives(alone_text) == collectives_alone
+    assert _collectives(together_text) == collectives_bucketed
 
 
-def test_buckets_are_consecutive_and_no_larger_than_the_largest_member():
-    assert W._buckets([3, 1, 4, 4], [0, 1, 2, 3]) == [[0, 1], [2], [3]]
-    assert W._buckets([1, 1, 1, 4], [5, 6, 7, 8]) == [[5, 6, 7], [8]]
-    assert W._buckets([2, 2], [0, 1]) == [[0], [1]]
+def test_buckets_are_consecutive_and_no_larger_than_the_largest_member_or_the_floor():
+    assert W._buckets([3, 1, 4, 4], [0, 1, 2, 3], floor=0) == [[0, 1], [2], [3]]
+    assert W._buckets([1, 1, 1, 4], [5, 6, 7, 8], floor=0) == [[5, 6, 7], [8]]
+    assert W._buckets([2, 2], [0, 1], floor=0) == [[0], [1]]
+    assert W._buckets([2, 2], [0, 1], floor=4) == [[0, 1]]
+    assert W._buckets([3, 1, 4, 4], [0, 1, 2, 3], floor=8) == [[0, 1, 2], [3]]
     assert W._buckets([], []) == []
+    f = W.BUCKET_FLOOR
+    assert W._buckets([f // 2, f // 2, 1], [0, 1, 2]) == [[0, 1], [2]]
 
 
 def test_keys_residuals_and_lone_gradients_are_reduced_alone(monkeypatch):
@@ -141,7 +156,7 @@ def test_keys_residuals_and_lone_gradients_are_reduced_alone(monkeypatch):
         jax.eval_shape(f, g, big, *res)  # traced only: which reductions it asks for
         return sorted(calls)
 
-    alone = [(N * 4, 16), (N * 4, 48)]
-    assert run(False, False) == sorted([(N * 3 * 64,), alone[1]])  # a bucket of three
-    assert run(True, False) == sorted([(N * 2 * 64,), *alone])  # the keyed one alone
-    assert run(False, True) == sorted([(N * 2 * 64,), *alone])  # the one with residuals
+    alone = (N * 4, 16)
+    assert run(False, False) == [(N * (3 * 64 + 192),)]  # one bucket of four
+    assert run(True, False) == sorted([(N * (2 * 64 + 192),), alone])  # the keyed one alone
+    assert run(False, True) == sorted([(N * (2 * 64 + 192),), alone])  # the one with residuals

@@ -62,8 +62,12 @@ class Gathers(Protocol):
         layer: jax.Array | None,
     ) -> list[tuple[jax.Array, Any]]: ...
     def full(
-        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], state: Any
-    ) -> jax.Array: ...
+        self,
+        leaves: Sequence[int],
+        pieces: Sequence[jax.Array],
+        wires: Sequence[tuple[jax.Array, ...]],
+        states: Sequence[Any],
+    ) -> list[jax.Array]: ...
 
 
 def tie(to: Any, x: Any, *, barrier: bool = False) -> Any:

@@ -232,13 +232,30 @@ class LeafGathers:
         ]
 
     def full(
-        self, leaf: int, piece: jax.Array, wire: tuple[jax.Array, ...], state: LeafState
-    ) -> jax.Array:
-        if self.layouts[leaf].tensor_parallel:
+        self,
+        leaves: Sequence[int],
+        pieces: Sequence[jax.Array],
+        wires: Sequence[tuple[jax.Array, ...]],
+        states: Sequence[LeafState],
+    ) -> list[jax.Array]:
+        out: list[jax.Array | None] = [None] * len(leaves)
+        plain = [k for k, leaf in enumerate(leaves) if not self.layouts[leaf].tensor_parallel]
+        for k, leaf in enumerate(leaves):
+            if self.layouts[leaf].tensor_parallel:
 
-            def fn(p, w, key):
-                key = reductions.model_rank_key(key, axis_name=part.MODEL_AXIS)
-                return weight_gather.gather_from_wire(p, w, self.spec, key)
+                def fn(p, w, key):
+                    key = reductions.model_rank_key(key, axis_name=part.MODEL_AXIS)
+                    return weight_gather.gather_from_wire(p, w, self.spec, key)
 
-            return self._per_rank(leaf, fn, (piece, wire), (state.key,))
-        return weight_gather.gather_from_wire(piece, wire, self.spec, state.key, state.residuals)
+                out[k] = self._per_rank(leaf, fn, (pieces[k], wires[k]), (states[k].key,))
+        together = weight_gather.gather_many_from_wire(
+            [pieces[k] for k in plain],
+            [wires[k] for k in plain],
+            self.spec,
+            [states[k].key for k in plain],
+            [states[k].residuals for k in plain],
+            self.num_devices,
+        )
+        for k, full in zip(plain, together, strict=True):
+            out[k] = full
+        return out

@@ -174,7 +174,9 @@ def evaluate(
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     outs = [read(v) for v in jaxpr.outvars]
-    return [_materialize(ctx, x, "as a model output") if isinstance(x, Lazy) else x for x in outs]
+    return _materialized(
+        ctx, outs, [i for i, x in enumerate(outs) if isinstance(x, Lazy)], "as a model output"
+    )
 
 
 def _eval_eqn(eqn: jaxpr_compat.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
@@ -202,25 +204,27 @@ def _eval_eqn(eqn: jaxpr_compat.JaxprEqn, invals: list[Any], ctx: Context) -> li
         if out is not None:
             return out
         where = "by a lax.scan the engine does not rebuild per layer"
-        for i in lazy_idx:
-            invals[i] = _materialize(ctx, invals[i], where)
-        return jaxpr_compat.bind(eqn, invals)
+        return jaxpr_compat.bind(eqn, _materialized(ctx, invals, lazy_idx, where))
     if prim in (jaxpr_compat.cond_p, jaxpr_compat.while_p):
-        for i in lazy_idx:
-            invals[i] = _materialize(ctx, invals[i], f"inside a `{prim.name}`")
-        return jaxpr_compat.bind(eqn, invals)
+        where = f"inside a `{prim.name}`"
+        return jaxpr_compat.bind(eqn, _materialized(ctx, invals, lazy_idx, where))
     if any(ctx.uses.get(invals[i].leaf, 1) > 1 for i in lazy_idx):
         return _at_shared_use(eqn, invals, lazy_idx, ctx)
     return _at_use(eqn, invals, lazy_idx, ctx)
 
 
-def _materialize(ctx: Context, lz: Lazy, where: str | None) -> jax.Array:
-    """The whole gathered weight of `lz`, gathered once per leaf (see `_shared`); warns
-    unless `where` is None."""
+def _materialized(ctx: Context, vals: list[Any], at: Sequence[int], where: str | None) -> list[Any]:
+    """`vals` with the lazy weights at `at` replaced by their whole gathered weights,
+    gathered together (see `_shared`), once per leaf; warns unless `where` is None."""
+    lazies = [vals[i] for i in at]
     if where is not None:
-        _warn(ctx, lz.leaf, where)
-    flat, _, _ = _shared(ctx, lz, scope=WHOLE_SCOPE)
-    return _full_weight(ctx.gathers, lz, flat)
+        for lz in lazies:
+            _warn(ctx, lz.leaf, where)
+    got = _shared(ctx, lazies, scope=WHOLE_SCOPE)
+    out = list(vals)
+    for i, lz, (flat, _, _) in zip(at, lazies, got, strict=True):
+        out[i] = _full_weight(ctx.gathers, lz, flat)
+    return out
 
 
 def _checkpointed(remat: jaxpr_compat.Remat, invals: list[Any], ctx: Context) -> list[Any]:
@@ -335,23 +339,30 @@ def _at_use(
 
 
 def _shared(
-    ctx: Context, lz: Lazy, scope: str | None = None
-) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array]:
-    """A weight gathered whole once, at its first read (a tied embedding read by several
-    equations, or a read the engine cannot place): `(flat, wire, piece)`. `flat`'s
-    cotangent, summed over its reads, leaves through one gradient reduction. `scope`
-    names the gather's ops (the ledger shows them under it)."""
+    ctx: Context, lazies: Sequence[Lazy], scope: str | None = None
+) -> list[tuple[jax.Array, tuple[jax.Array, ...], jax.Array]]:
+    """Weights gathered whole once, at their first read (a tied embedding read by several
+    equations, or a read the engine cannot place): per lazy, `(flat, wire, piece)`. Those
+    not gathered yet are gathered together (`Gathers.full`: their gradients may share a
+    reduction). Each `flat`'s cotangent, summed over its reads, leaves through one gradient
+    reduction. `scope` names the gathers' ops (the ledger shows them under it)."""
     g = ctx.gathers
-    if lz.leaf not in ctx.shared:
-        state = g.state(lz.leaf)
+    new = list(dict.fromkeys(lz.leaf for lz in lazies if lz.leaf not in ctx.shared))
+    if new:
+        shard = {lz.leaf: lz.shard for lz in lazies}
+        states = [g.state(leaf) for leaf in new]
         with jax.named_scope(scope) if scope else contextlib.nullcontext():
-            piece = dataflow.tie(
-                ctx.tie, part.piece(lz.shard, g.layout(lz.leaf)), barrier=g.barrier_ties
-            )
-            wire = g.wire(lz.leaf, piece, state)
-            flat = g.full(lz.leaf, piece, wire, state)
-        ctx.shared[lz.leaf] = (flat, wire, lax.stop_gradient(piece))
-    return ctx.shared[lz.leaf]
+            pieces = [
+                dataflow.tie(
+                    ctx.tie, part.piece(shard[leaf], g.layout(leaf)), barrier=g.barrier_ties
+                )
+                for leaf in new
+            ]
+            wires = [g.wire(leaf, p, s) for leaf, p, s in zip(new, pieces, states, strict=True)]
+            flats = g.full(new, pieces, wires, states)
+        for leaf, flat, wire, piece in zip(new, flats, wires, pieces, strict=True):
+            ctx.shared[leaf] = (flat, wire, lax.stop_gradient(piece))
+    return [ctx.shared[lz.leaf] for lz in lazies]
 
 
 def _at_shared_use(
@@ -367,7 +378,7 @@ def _at_shared_use(
     leaves = [lz.leaf for lz in lazies]
     act_idx = [i for i in range(len(invals)) if i not in lazy_idx]
     acts = [invals[i] for i in act_idx]
-    got = [_shared(ctx, lz) for lz in lazies]
+    got = _shared(ctx, lazies)
     flats = [f for f, _, _ in got]
     wires = [lax.stop_gradient(w) for _, w, _ in got]
     pieces = [p for _, _, p in got]
@@ -454,7 +465,7 @@ def _place_scan(
         return _place_scan(eqn, jaxpr_compat.scan_of(eqn), invals, ctx)
     if scan.reverse:
         xs = [lazy.reverse(x) for x in xs]
-    matrices, views = [], []
+    matrices, views, vectors = [], [], []
     for i, x in enumerate(xs):
         if not isinstance(x, Lazy):
             continue
@@ -464,12 +475,13 @@ def _place_scan(
             return None
         moved = view.axis != 0 or not lo.stacked
         if len(lo.shape) < 3:
-            # Per-layer vectors (biases, norm scales) are small: gathered whole, before the loop.
-            xs[i] = _materialize(ctx, x, None)
+            # Per-layer vectors (biases, norm scales) are small: gathered whole, before the
+            # loop, together below (their gradients share a reduction).
+            vectors.append(i)
         elif moved and not relayout.can_relayout(lo, view.axis):
             # Stored as one row split on the scan's own axis: no device holds a layer's share.
             where = f"by a scan over its axis {view.axis}, the axis it is stored split on"
-            xs[i] = _materialize(ctx, x, where)
+            xs = _materialized(ctx, xs, [i], where)
         elif moved and (lo.tensor_parallel or g.state(x.leaf).residuals):
             # Re-laid out, a layer's residuals would need the same all-to-all, both ways.
             return None
@@ -479,6 +491,7 @@ def _place_scan(
         else:
             matrices.append(i)
             views.append(view)
+    xs = _materialized(ctx, xs, vectors, None)
     if not matrices:
         forward = jaxpr_compat.rebuilt_scan(eqn, reverse=False)
         outs = jaxpr_compat.bind(forward, [*consts, *init, *xs])

@@ -225,6 +225,24 @@ def gather_from_wire(
     return _gather_full(x, wire, key, residuals, spec)
 
 
+def gather_many_from_wire(
+    xs: Sequence[jax.Array],
+    wires: Sequence[tuple[jax.Array, ...]],
+    spec: GatherSpec,
+    keys: Sequence[jax.Array | None],
+    residuals: Sequence[Residuals],
+    num_devices: int,
+) -> list[jax.Array]:
+    """`gather_from_wire` of several weights at once, whose gradients leave through one
+    `reduce_gradients` (those that can share a reduction bucket do). Per weight, shapes,
+    key and residuals as for `gather_from_wire`; `num_devices` is `N`."""
+    if not xs:
+        return []
+    return list(
+        _gather_many(tuple(xs), tuple(wires), tuple(keys), tuple(residuals), spec, num_devices)
+    )
+
+
 def gather_from(
     x: jax.Array, wire: tuple[jax.Array, ...], spec: GatherSpec, alternate_form: bool = False
 ) -> jax.Array:
@@ -285,6 +303,49 @@ def _gather_full_bwd(
     return dx + negative_zero, None, None, new_residuals
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _gather_many(
+    xs: tuple[jax.Array, ...],
+    wires: tuple[tuple[jax.Array, ...], ...],
+    keys: tuple[jax.Array | None, ...],
+    residuals: tuple[Residuals, ...],
+    spec: GatherSpec,
+    num_devices: int,
+) -> tuple[jax.Array, ...]:
+    """`_gather_full` of several weights, reduced together in the backward."""
+    return tuple(
+        gather_from(x, w, spec, alternate_form=False) for x, w in zip(xs, wires, strict=True)
+    )
+
+
+def _gather_many_fwd(
+    xs: tuple[jax.Array, ...],
+    wires: tuple[tuple[jax.Array, ...], ...],
+    keys: tuple[jax.Array | None, ...],
+    residuals: tuple[Residuals, ...],
+    spec: GatherSpec,
+    num_devices: int,
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, tuple, tuple]]:
+    # The `-0.0` residual as in `_gather_full_fwd`.
+    fulls = tuple(
+        gather_from(x, w, spec, alternate_form=True) for x, w in zip(xs, wires, strict=True)
+    )
+    return fulls, (jnp.array(-0.0, jnp.float32), keys, residuals)
+
+
+def _gather_many_bwd(
+    spec: GatherSpec, num_devices: int, res: tuple[jax.Array, tuple, tuple], gs: tuple
+) -> tuple[tuple[jax.Array, ...], None, None, tuple[Residuals, ...]]:
+    negative_zero, keys, residuals = res
+    reduced = reduce_gradients(list(gs), spec, list(keys), list(residuals), num_devices)
+    return (
+        tuple(dx + negative_zero for dx, _ in reduced),
+        None,
+        None,
+        tuple(r for _, r in reduced),
+    )
+
+
 def reduce_gradient(
     g: jax.Array, spec: GatherSpec, key: jax.Array | None = None, residuals: Residuals = ()
 ) -> tuple[jax.Array, Residuals]:
@@ -333,12 +394,22 @@ def _block_unit(spec: GatherSpec) -> int:
     return math.lcm(*sizes)
 
 
-def _buckets(sizes: Sequence[int], members: Sequence[int]) -> list[list[int]]:
+BUCKET_FLOOR = 1 << 18
+"""Values a reduction bucket may always hold (1 MiB of float32), however small its
+largest gradient: small gradients (a stack's biases and norm scales) then share one
+reduction rather than each compiling its own (XLA:CPU compiles an all-to-all into a kernel
+per peer and per array: issue #48's compile time)."""
+
+
+def _buckets(
+    sizes: Sequence[int], members: Sequence[int], floor: int = BUCKET_FLOOR
+) -> list[list[int]]:
     """`members` (with `sizes` values each) cut, in order, into buckets of at most the
-    largest one's values: a bucket's reduction then holds no more at once than the largest
-    gradient's alone, so bucketing costs no peak memory (unbounded, ZeRO-3's 6.7B step on
-    16 x 8 held 3.832 GB per device against 3.765)."""
-    cap = max(sizes, default=0)
+    largest one's values, or of `floor`: a bucket's reduction then holds no more at once
+    than the largest gradient's alone, or `floor` values, so bucketing costs no peak memory
+    beyond that (unbounded, ZeRO-3's 6.7B step on 16 x 8 held 3.832 GB per device against
+    3.765)."""
+    cap = max([*sizes, floor])
     out: list[list[int]] = []
     total = cap + 1
     for size, member in zip(sizes, members, strict=True):
@@ -360,14 +431,19 @@ def reduce_gradients(
     """`reduce_gradient` of each gradient, those that can share one reduction bucketed.
 
     A bucket is gradients of one dtype, without a stochastic-rounding key or error feedback,
-    whose per-device piece (`g.size / num_devices` values) a whole number of every
-    quantization block fills, consecutive, together at most as large as the largest of them
-    (`_buckets`): concatenated piece by piece, they go through one reduction
-    (one collective per hop, as DeepSpeed's qgZ reduces a bucket), and each gets back its
-    own values. Every block then holds the values it held alone and every sum adds the
-    same terms in the same order, so the result and the bytes on the wire are those of the
-    gradients reduced one by one, bit for bit, in fewer, larger collectives and one
-    quantizer in the program rather than one per gradient. The others are reduced alone.
+    consecutive, together at most as large as the largest of them or `BUCKET_FLOOR`
+    (`_buckets`): concatenated piece by piece, each piece (`g.size / num_devices` values)
+    zero-padded to a whole number of every quantization block, they go through one
+    reduction (one collective per hop, as DeepSpeed's qgZ reduces a bucket), and each gets
+    back its own values. Every block then holds the values it held alone, plus zeros where
+    a piece smaller than a block was reduced alone in a smaller block (zeros change no
+    block's scale), and every sum adds the same terms in the same order, so the result is
+    that of the gradients reduced one by one, bit for bit, in fewer, larger collectives and
+    one quantizer in the program rather than one per gradient. The padding is the only
+    difference on the wire: a gradient whose piece is not a whole number of blocks sends
+    less than one block unit (the hops' block sizes' least common multiple) more per device
+    than alone. With a gradient rotation only gradients whose pieces are whole blocks share
+    a bucket (a smaller block rotates in a smaller block). The others are reduced alone.
 
     Args:
       gs: per-device full-size gradients `(N * rows, ...)`, each in partition order.
@@ -379,24 +455,35 @@ def reduce_gradients(
       Per gradient, `reduce_gradient`'s `(dx, new_residuals)`.
     """
     unit = _block_unit(spec)
+    rotated = spec.two_hop and any(
+        (spec.grad_rotation_block_size, spec.grad_hop2_rotation_block_size)
+    )
+    pieces = [g.size // num_devices for g in gs]
+    padded = [-(-p // unit) * unit for p in pieces]
     out: list[tuple[jax.Array, Residuals] | None] = [None] * len(gs)
     kinds: dict[str, list[int]] = {}
     for i, (g, key, res) in enumerate(zip(gs, keys, residuals, strict=True)):
-        piece = g.size // num_devices
-        if key is None and not res and piece and piece % unit == 0:
+        whole = pieces[i] == padded[i]
+        if key is None and not res and pieces[i] and (whole or not rotated):
             kinds.setdefault(jnp.dtype(g.dtype).name, []).append(i)
-    buckets = [b for same in kinds.values() for b in _buckets([gs[i].size for i in same], same)]
+    sizes = [p * num_devices for p in padded]  # what each holds whole, per device
+    buckets = [b for same in kinds.values() for b in _buckets([sizes[i] for i in same], same)]
     for members in buckets:
         if len(members) < 2:
             continue
-        flat = jnp.concatenate([gs[i].reshape(num_devices, -1) for i in members], axis=1)
+        flat = jnp.concatenate(
+            [
+                jnp.pad(gs[i].reshape(num_devices, -1), ((0, 0), (0, padded[i] - pieces[i])))
+                for i in members
+            ],
+            axis=1,
+        )
         summed, _ = reduce_gradient(flat.reshape(-1), spec)
         at = 0
         for i in members:
-            size = gs[i].size // num_devices
             rows = (gs[i].shape[0] // num_devices, *gs[i].shape[1:])
-            out[i] = (summed[at : at + size].reshape(rows), ())
-            at += size
+            out[i] = (summed[at : at + pieces[i]].reshape(rows), ())
+            at += padded[i]
     return [
         r if r is not None else reduce_gradient(g, spec, key, res)
         for r, g, key, res in zip(out, gs, keys, residuals, strict=True)
@@ -404,3 +491,4 @@ def reduce_gradients(
 
 
 _gather_full.defvjp(_gather_full_fwd, _gather_full_bwd, optimize_remat=True)
+_gather_many.defvjp(_gather_many_fwd, _gather_many_bwd, optimize_remat=True)

@@ -285,10 +285,12 @@ def pack(q: jax.Array, bits: FormatKey) -> jax.Array:
         return q.astype(spec.values_dtype)
     u = (q.astype(jnp.int32) + 2 ** (spec.bits - 1)).astype(spec.values_dtype)
     planes = u.reshape(*u.shape[:-1], per_byte, u.shape[-1] // per_byte)
-    out = planes[..., 0, :]
-    for i in range(1, per_byte):
-        out = out | (planes[..., i, :] << jnp.uint8(spec.bits * i))
-    return out
+    shifts = np.arange(per_byte, dtype=np.uint8)[:, None] * np.uint8(spec.bits)
+    # A reduction, not a chain of `|`: XLA:CPU fuses an elementwise quantizer into every
+    # consumer, and splits an all-to-all into one slice per peer, so a group of `G` would
+    # compile `G` copies of it; a reduce is computed once (the planes never overlap, so
+    # their `|` is their sum).
+    return jax.lax.reduce(planes << shifts, np.uint8(0), jax.lax.bitwise_or, (planes.ndim - 2,))
 
 
 def unpack(values: jax.Array, bits: FormatKey) -> jax.Array:
@@ -297,14 +299,22 @@ def unpack(values: jax.Array, bits: FormatKey) -> jax.Array:
     spec = format_of(bits)
     if spec.is_float:
         return jax.lax.bitcast_convert_type(values, spec.code_dtype)
-    per_byte = spec.values_per_byte
-    if per_byte == 1:
+    if spec.values_per_byte == 1:
         return values.astype(spec.code_dtype)
+    return jnp.concatenate(_planes(values, spec), axis=-1)
+
+
+def _planes(values: jax.Array, spec: FormatSpec) -> list[jax.Array]:
+    """The int8 codes of a sub-byte integer format, one array per bit plane: plane `i`
+    holds the codes `pack` put at bits `[i * spec.bits, (i + 1) * spec.bits)` of each byte,
+    which are the block's values `[i * bytes, (i + 1) * bytes)`."""
     b = spec.bits
     mask = jnp.uint8(2**b - 1)
-    planes = [(values >> jnp.uint8(b * i)) & mask for i in range(per_byte)]
-    u = jnp.concatenate(planes, axis=-1)
-    return (u.astype(jnp.int8) - jnp.int8(2 ** (b - 1))).astype(spec.code_dtype)
+    offset = jnp.int8(2 ** (b - 1))
+    return [
+        ((values >> jnp.uint8(b * i)) & mask).astype(jnp.int8) - offset
+        for i in range(spec.values_per_byte)
+    ]
 
 
 def _round_e4m3(y: jax.Array, key: jax.Array | None) -> jax.Array:
@@ -431,10 +441,22 @@ def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, *, bits: FormatK
       significant bits): compiled, op by op, or in a Pallas kernel, the result is the same
       to the last bit.
     """
-    acc = dequantize_blocks(values[0], scales[0], bits=bits)
-    for g in range(1, values.shape[0]):
-        acc = acc + dequantize_blocks(values[g], scales[g], bits=bits)
-    return acc
+    spec = format_of(bits)
+    if spec.is_float or spec.values_per_byte == 1:
+        acc = dequantize_blocks(values[0], scales[0], bits=bits)
+        for g in range(1, values.shape[0]):
+            acc = acc + dequantize_blocks(values[g], scales[g], bits=bits)
+        return acc
+    # A sub-byte format is summed bit plane by bit plane and the planes joined once: the
+    # same sums, but no join per group member, which XLA:CPU compiles into a kernel of its
+    # own for each (an all-to-all's members arrive as separate buffers there).
+    sums = []
+    for i in range(spec.values_per_byte):
+        acc = _planes(values[0], spec)[i].astype(jnp.float32) * scales[0][..., None]
+        for g in range(1, values.shape[0]):
+            acc = acc + _planes(values[g], spec)[i].astype(jnp.float32) * scales[g][..., None]
+        sums.append(acc)
+    return jnp.concatenate(sums, axis=-1)
 
 
 def dequantize_sum_quantize_blocks(

@@ -47,6 +47,22 @@ def _fold_sum(stacked: jax.Array) -> jax.Array:
     return acc
 
 
+def exchange_blocks(
+    values: jax.Array, scales: jax.Array, axis_name: AxisName
+) -> tuple[jax.Array, jax.Array]:
+    """All-to-all of quantized blocks: `values[g]` `(G, nb, bytes)` and `scales[g]`
+    `(G, nb)` float32 go to the device of index `g` on `axis_name`; returns what came, in
+    the same shapes (index `g`: from device `g`).
+
+    Each block's scale travels as 4 bytes after its values, in one collective: the same
+    bytes as two, and half the per-peer work (XLA:CPU compiles an all-to-all into a slice
+    kernel per peer and per array; issue #48)."""
+    width = values.shape[-1]
+    scale_bytes = lax.bitcast_convert_type(scales, values.dtype)  # (G, nb, 4)
+    got = lax.all_to_all(jnp.concatenate([values, scale_bytes], axis=-1), axis_name, 0, 0)
+    return got[..., :width], lax.bitcast_convert_type(got[..., width:], jnp.float32)
+
+
 def reduce_scatter_quantized(
     x: jax.Array,
     *,
@@ -88,9 +104,7 @@ def reduce_scatter_quantized(
         return lax.psum_scatter(x.astype(jnp.float32), axis_name, tiled=True)
     check_bits(bits, block_size)
     values, scales = _quantize(shard_blocks(x, g, block_size), bits, codec, key)
-    rv = lax.all_to_all(values, axis_name, 0, 0)
-    rs = lax.all_to_all(scales, axis_name, 0, 0)
-    summed = codec.dequantize_sum_blocks(rv, rs, bits=bits)
+    summed = codec.dequantize_sum_blocks(*exchange_blocks(values, scales, axis_name), bits=bits)
     return unblock(summed[None], rows_shape)
 
 
@@ -337,10 +351,7 @@ def two_hop_with_residuals(
             if rb1 is not None:
                 sent = rotate_blocks(sent, rb1)
             new1 = c1 - unblock(sent, rows_shape)
-        received = (
-            lax.all_to_all(values, local_axis, 0, 0),
-            lax.all_to_all(scales, local_axis, 0, 0),
-        )
+        received = exchange_blocks(values, scales, local_axis)
 
     def summed() -> jax.Array:  # hop 1's float32 partial sums, (num_nodes * rows, ...)
         total = codec.dequantize_sum_blocks(*received, bits=bits)
@@ -389,9 +400,7 @@ def two_hop_with_residuals(
             if rb2 is not None:
                 sent = rotate_blocks(sent, rb2)
             new2 = c2 - unblock(sent, rows_shape)
-    rv2 = lax.all_to_all(v2, node_axis, 0, 0)
-    rs2 = lax.all_to_all(s2, node_axis, 0, 0)
-    total = codec.dequantize_sum_blocks(rv2, rs2, bits=node_bits)
+    total = codec.dequantize_sum_blocks(*exchange_blocks(v2, s2, node_axis), bits=node_bits)
     if rb2 is not None:
         total = rotate_blocks(total, rb2)
     return unblock(total[None], rows_shape), new1, new2
