@@ -203,7 +203,7 @@ def test_zeropp_on_h200s_sends_what_the_ledger_says(zeropp_program):
     )
     assert gpu_program.same_bytes(gpu, asked)
     node_hop = {r.dtype for r in gpu.records if r.op == "all-to-all" and r.axes == ("node",)}
-    assert node_hop == {"uint8", "float32"}
+    assert node_hop == {"uint8"}  # a block's float32 scale travels as 4 bytes of it
     assert gpu.link_bytes == pytest.approx(asked.link_bytes, rel=1e-3)
 
 
