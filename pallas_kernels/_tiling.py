@@ -25,8 +25,10 @@ no `round`, so round-half-to-even is built from `floor`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -206,6 +208,18 @@ def call(
     # bare `pallas_call` (its DCE rule keeps it), so in a rematerialized backward pass a
     # dequantize whose weight the backward does not need kept its all-gather alive too.
     return tuple(jax.jit(kernel_call)(*operands))
+
+
+def shared(*static: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: a block function under `jax.jit`, its keyword arguments `static` static.
+
+    Calls with the same shapes, dtypes and static arguments then share one trace, and in
+    one program one lowered Triton kernel (jax lowers a jitted function once per program
+    for each of its traces); without it, each call traced and lowered its kernel anew
+    (the 125M GPT's ZeRO++ step on 16 x 8 H200s: 114 kernel calls of 36 kinds, 4.7 s of
+    its 5.3 s trace and lower; issue #48).
+    """
+    return functools.partial(jax.jit, static_argnames=static)
 
 
 def num_programs(num_blocks: int, rows: int) -> int:

@@ -25,6 +25,7 @@ def _dequantize_kernel(v_ref, s_ref, o_ref, *, bits: int, num_blocks: int):
         planes.store(o_ref.at[:, planes.index(f), :], value, mask)
 
 
+@_tiling.shared("bits", "dtype", "tiling", "interpret", "poison_outputs")
 def dequantize_blocks(
     values: jax.Array,
     scales: jax.Array,

@@ -22,6 +22,7 @@ def _dequantize_sum_kernel(v_ref, s_ref, o_ref, *, bits: int, num_blocks: int):
         planes.store(o_ref.at[:, planes.index(f), :], a, mask)
 
 
+@_tiling.shared("bits", "tiling", "interpret", "poison_outputs")
 def dequantize_sum_blocks(
     values: jax.Array,
     scales: jax.Array,

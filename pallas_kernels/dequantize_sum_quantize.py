@@ -43,6 +43,7 @@ def _dequantize_sum_quantize_kernel(
     planes.store(t_ref, scales, mask)
 
 
+@_tiling.shared("bits", "out_bits", "tiling", "interpret", "poison_outputs")
 def dequantize_sum_quantize_blocks(
     values: jax.Array,
     scales: jax.Array,

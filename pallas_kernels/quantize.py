@@ -30,6 +30,7 @@ def _quantize_kernel(x_ref, u_ref, v_ref, s_ref, *, bits: int, num_blocks: int, 
     planes.store(s_ref, scales, mask)
 
 
+@_tiling.shared("bits", "tiling", "interpret", "poison_outputs")
 def quantize_blocks(
     blocks: jax.Array,
     *,

@@ -34,6 +34,7 @@ all-zero block has scale 0 and dequantizes to exact zeros.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 from collections.abc import Callable, Mapping
@@ -335,6 +336,7 @@ def _round_e4m3(y: jax.Array, key: jax.Array | None) -> jax.Array:
     return y.astype(jnp.float8_e4m3fn)
 
 
+@functools.partial(jax.jit, static_argnames=("bits",))
 def quantize_blocks(
     blocks: jax.Array, *, bits: FormatKey, key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -369,6 +371,7 @@ def quantize_blocks(
     return pack(r.astype(jnp.int8), bits), scales
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "dtype"))
 def dequantize_blocks(
     values: jax.Array, scales: jax.Array, *, bits: FormatKey, dtype: jnp.dtype = jnp.float32
 ) -> jax.Array:
@@ -423,6 +426,7 @@ def max_error(x: jax.Array, scale: jax.Array, bits: FormatKey) -> jax.Array:
     return scale / 2
 
 
+@functools.partial(jax.jit, static_argnames=("bits",))
 def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, *, bits: FormatKey) -> jax.Array:
     """Dequantizes `G` stacked block sets and sums them in float32.
 
@@ -459,6 +463,7 @@ def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, *, bits: FormatK
     return jnp.concatenate(sums, axis=-1)
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "out_bits"))
 def dequantize_sum_quantize_blocks(
     values: jax.Array,
     scales: jax.Array,
