@@ -18,8 +18,8 @@ N = 8
 SPECS = {  # name: (GatherSpec fields, collectives reduced alone, bucketed)
     # The four bf16 gradients share a bucket (the float32 one is alone); rotated, the one
     # whose piece is not whole blocks is reduced alone too. Each two-hop reduction runs
-    # one all-to-all per hop (a block's scale travels with its values); ZeRO-3's ring one
-    # collective-permute (in its loop), float32 one reduce-scatter.
+    # two all-to-alls per hop (values, scales); ZeRO-3's ring one collective-permute (in
+    # its loop), float32 one reduce-scatter.
     "zeropp int8, int4, rotated": (
         dict(
             grad_bits=8,
@@ -28,13 +28,13 @@ SPECS = {  # name: (GatherSpec fields, collectives reduced alone, bucketed)
             grad_rotation_block_size=16,
             grad_hop2_rotation_block_size=16,
         ),
-        {"all-to-all": 10},
-        {"all-to-all": 6},
+        {"all-to-all": 20},
+        {"all-to-all": 12},
     ),
     "zeropp int8, int4": (
         dict(grad_bits=8, grad_hop2_bits=4, two_hop=True),
-        {"all-to-all": 10},
-        {"all-to-all": 4},
+        {"all-to-all": 20},
+        {"all-to-all": 8},
     ),
     "zero3 bf16 ring": (
         dict(grad_bits=None, grad_hop2_bits=None, two_hop=False),

@@ -286,12 +286,14 @@ def pack(q: jax.Array, bits: FormatKey) -> jax.Array:
         return q.astype(spec.values_dtype)
     u = (q.astype(jnp.int32) + 2 ** (spec.bits - 1)).astype(spec.values_dtype)
     planes = u.reshape(*u.shape[:-1], per_byte, u.shape[-1] // per_byte)
-    shifts = np.arange(per_byte, dtype=np.uint8)[:, None] * np.uint8(spec.bits)
-    # A reduction, not a chain of `|`: XLA:CPU fuses an elementwise quantizer into every
-    # consumer, and splits an all-to-all into one slice per peer, so a group of `G` would
-    # compile `G` copies of it; a reduce is computed once (the planes never overlap, so
-    # their `|` is their sum).
-    return jax.lax.reduce(planes << shifts, np.uint8(0), jax.lax.bitwise_or, (planes.ndim - 2,))
+    # Elementwise, so XLA:CPU fuses the whole quantizer into each peer's slice of an
+    # all-to-all and never writes the packed array whole. A reduction over the planes
+    # compiles the quantizer once instead of once per peer, but holds that array: +90 MB
+    # per device for ZeRO++'s 6.7B step on 16 x 8 (`experiments/memory.py`; issue #48).
+    out = planes[..., 0, :]
+    for i in range(1, per_byte):
+        out = out | (planes[..., i, :] << jnp.uint8(spec.bits * i))
+    return out
 
 
 def unpack(values: jax.Array, bits: FormatKey) -> jax.Array:
