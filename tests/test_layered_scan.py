@@ -475,9 +475,9 @@ class NormBiasStack(nn.Module):
 def test_a_scans_per_layer_vectors_share_one_gradient_reduction():
     """The stacked biases and norm scales a scan reads are gathered whole before its loop,
     together: their gradients leave through one two-hop reduction (values and scales on
-    each hop: four all-to-alls), not one per vector (four here: each compiled its own quantizers and collectives, issue
-    #48's compile time). The sums are those of each reduced alone, to the bit
-    (`test_weight_gather`)."""
+    each hop: four all-to-alls), not one per vector (four vectors here, each of which
+    compiled its own quantizers and collectives: issue #48's compile time). The sums are
+    those of each reduced alone, to the bit (`test_weight_gather`)."""
     model = NormBiasStack()
     x = data(0)["x"]
     params = model.init(jax.random.key(0), x)["params"]
