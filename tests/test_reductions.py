@@ -209,8 +209,8 @@ def test_two_hop_takes_a_spec_or_its_fields_not_both():
 def test_two_hop_sums_join_int4_planes_once_per_hop_not_per_peer():
     """XLA:CPU splits an all-to-all into one piece per peer, each a buffer of its own: a sum
     that dequantized each piece joined that piece's two int4 bit planes with a
-    concatenate, a kernel per peer (issue #48's compile time: 816 in the 125M step on
-    16 x 8). The sum now adds plane by plane and joins once per hop."""
+    concatenate, a kernel per peer (issue #48's compile time). The sum now adds plane by
+    plane and joins once per hop."""
     mesh = make_mesh(2, 4)
     x = rand((8, 8 * 4 * 512), seed=3)
 

@@ -238,16 +238,15 @@ class LeafGathers:
         wires: Sequence[tuple[jax.Array, ...]],
         states: Sequence[LeafState],
     ) -> list[jax.Array]:
+        def per_rank(p, w, key):
+            key = reductions.model_rank_key(key, axis_name=part.MODEL_AXIS)
+            return weight_gather.gather_from_wire(p, w, self.spec, key)
+
         out: list[jax.Array | None] = [None] * len(leaves)
         plain = [k for k, leaf in enumerate(leaves) if not self.layouts[leaf].tensor_parallel]
         for k, leaf in enumerate(leaves):
-            if self.layouts[leaf].tensor_parallel:
-
-                def fn(p, w, key):
-                    key = reductions.model_rank_key(key, axis_name=part.MODEL_AXIS)
-                    return weight_gather.gather_from_wire(p, w, self.spec, key)
-
-                out[k] = self._per_rank(leaf, fn, (pieces[k], wires[k]), (states[k].key,))
+            if k not in plain:  # tensor-parallel: gathered and reduced once per `model` rank
+                out[k] = self._per_rank(leaf, per_rank, (pieces[k], wires[k]), (states[k].key,))
         together = weight_gather.gather_many_from_wire(
             [pieces[k] for k in plain],
             [wires[k] for k in plain],

@@ -55,9 +55,9 @@ def exchange_blocks(
     the same shapes (index `g`: from device `g`).
 
     Two collectives, one per array. One, with each block's scale as 4 bytes after its
-    values, halves XLA:CPU's per-peer slice kernels (about 1 s of the 125M step's compile
-    on 16 x 8), but joining them copies the values: +59 MB per device at 1.3B on 16 x 8,
-    the tied embedding's int4 gradient (issue #48)."""
+    values, halves XLA:CPU's per-peer slice kernels, but joining them copies the values:
+    +59 MB per device at 1.3B on 16 x 8, the tied embedding's int4 gradient (RESULTS,
+    "ZeRO++'s compile time"; issue #48)."""
     return lax.all_to_all(values, axis_name, 0, 0), lax.all_to_all(scales, axis_name, 0, 0)
 
 
