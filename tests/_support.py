@@ -10,6 +10,7 @@ stored layout (tests/test_optimizer_shapes.py, tests/test_distributed_muon.py)."
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -110,6 +111,15 @@ def ones_int4_two_hop_bound() -> float:
     hop1 = 4 * (1.0 / q4) / 2
     hop2 = 2 * ((1.0 + hop1) / q4) / 2
     return hop1 + hop2
+
+
+_FUSION_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
+XLA_DEFAULTS = {"xla_backend_optimization_level": 3} | (
+    {"xla_cpu_use_fusion_emitters": True} if _FUSION_EMITTERS_OFF else {}
+)
+"""What conftest's XLA_FLAGS change, back at XLA's defaults, for the compiles whose memory a
+test measures (the fusion emitters only where conftest turned them off: jaxlib 0.11.2 and
+newer have no such option and always use them)."""
 
 
 def abstract_gpt_state(gpt: GPTConfig, config: zpp.ZeroPPConfig) -> zpp.TrainState:

@@ -13,15 +13,13 @@ default code generation (`XLA_DEFAULTS`), not the quick compiles of the rest of 
 
 from __future__ import annotations
 
-import os
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _support import abstract_gpt_state
+from _support import XLA_DEFAULTS, abstract_gpt_state
 from flax.training import train_state
 
 import zeropp_jax as zpp
@@ -30,13 +28,6 @@ WIDTH = 256
 BATCH = 16
 DEPTHS = (4, 8)
 LAYER_BYTES = WIDTH * WIDTH * 4
-_FUSION_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
-XLA_DEFAULTS = {"xla_backend_optimization_level": 3} | (
-    {"xla_cpu_use_fusion_emitters": True} if _FUSION_EMITTERS_OFF else {}
-)
-"""What conftest's XLA_FLAGS change, back at XLA's defaults for this test's compiles (the
-fusion emitters only where conftest turned them off: jaxlib 0.11.2 and newer have no such
-option and always use them)."""
 CONFIGS = {
     "zero3": zpp.ZeroPPConfig.zero3(compute_dtype=jnp.float32),
     "zeropp": zpp.ZeroPPConfig(compute_dtype=jnp.float32),

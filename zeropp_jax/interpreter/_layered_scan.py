@@ -128,7 +128,8 @@ def pipelined(
     reverse: bool,
 ) -> tuple[Any, Any]:
     """`compute(i, carry, fetch(i, after))` for layers i = 0 .. length - 1 (reversed with
-    `reverse`), the outputs stacked by layer.
+    `reverse`), the outputs stacked by layer. `compute` takes a fourth argument, True for
+    the layer peeled after the loop (below), which has no loop index to wait for.
 
     With `lookahead` 0 each iteration fetches its own layer once its carry exists. With 1
     the first layer is fetched before the loop (after `tie`), iteration i fetches the
@@ -146,16 +147,18 @@ def pipelined(
             now, ahead = ahead, fetch(i + step, carry)
         else:
             now = fetch(i, carry)
-        carry, out = compute(i, carry, now)
+        carry, out = compute(i, carry, now, False)
         return (carry, ahead, _put(outs, out, i)), None
 
-    shapes = jax.eval_shape(lambda c: compute(jnp.asarray(first), c, fetch(first, c))[1], carry)
+    shapes = jax.eval_shape(
+        lambda c: compute(jnp.asarray(first), c, fetch(first, c), False)[1], carry
+    )
     outs = _stack_of(shapes, length)
     ahead = fetch(jnp.asarray(first), tie) if lookahead else ()
     layers = jnp.arange(length - lookahead) + (lookahead if reverse else 0)
     (carry, ahead, outs), _ = lax.scan(body, (carry, ahead, outs), layers, reverse=reverse)
     if lookahead:
-        carry, out = compute(jnp.asarray(last), carry, ahead)
+        carry, out = compute(jnp.asarray(last), carry, ahead, True)
         outs = _put(outs, out, last)
     return carry, outs
 
@@ -242,7 +245,8 @@ class _Run:
         them from."""
         loop = self.loop
 
-        def compute(i, c, fetched):
+        def compute(i, c, fetched, peeled):
+            del peeled  # the forward's layers all compute from the carry
             flats, wires = fetched
             x_plain = _take(plain, i)
             if not save:
@@ -294,12 +298,17 @@ class _Run:
         floats = [dataflow.is_inexact(x) for x in plain]
         g_cs = [jnp.zeros_like(x) for x in consts if dataflow.is_inexact(x)]
 
-        def compute(i, carry, flats):
+        def compute(i, carry, flats, peeled):
             g_c, g_cs = carry
-            leaves = _from_bits(_take(res_bits, i), self.traced["dtypes"])
+            kept_i, x_plain = _take(res_bits, i), _take(plain, i)
+            if peeled:
+                # The layer after the loop: its kept values and plain xs wait for the
+                # cotangent reaching it, else XLA recomputes its forward from them before
+                # the loop and holds that through every other layer's backward.
+                kept_i, x_plain = dataflow.tie(g_c, (kept_i, x_plain), barrier=g.barrier_ties)
+            leaves = _from_bits(kept_i, self.traced["dtypes"])
             vjp = jax.tree_util.tree_unflatten(self.traced["tree"], leaves)
             weights, pull_weights = jax.vjp(lambda f: self.split.prologue(loop.weights(f)), flats)
-            x_plain = _take(plain, i)
             d_pre, d_consts, g_c, d_plain = self.split.pull(
                 vjp, weights, consts, x_plain, g_c, _take(g_ys, i)
             )

@@ -260,9 +260,9 @@ def _as_bits(table: jax.Array) -> jax.Array:
 
 def _piece(bits: jax.Array, j: jax.Array, n: int, dtype) -> jax.Array:
     """Rows j, j + n, j + 2n, ... of a (vocab, d) table held as `_as_bits`, in `dtype`:
-    the j-th of n vocabulary pieces."""
+    the j-th of n vocabulary pieces. `bits` may also be the (vocab / n, n, d) view."""
     piece = jax.lax.dynamic_index_in_dim(
-        bits.reshape(bits.shape[0] // n, n, bits.shape[1]), j, axis=1, keepdims=False
+        bits.reshape(-1, n, bits.shape[-1]), j, axis=1, keepdims=False
     )
     return jax.lax.bitcast_convert_type(piece, dtype)
 
@@ -382,10 +382,11 @@ def _head_bwd(n, residuals, g):
     x, table, targets, lse = residuals
     vocab, d = table.shape
     in_piece, index = targets % n, targets // n
-    bits = _as_bits(table)
 
     def body(carry, j):
-        dx, dtable = carry
+        # `carry[1]`: the table's bits, piece by piece overwritten by the gradient's. Piece j
+        # is read before its rows are written and never read again.
+        dx, bits = carry
         piece = _piece(bits, j, n, table.dtype)
         logits = jnp.einsum("bsd,vd->bsv", x, piece, preferred_element_type=jnp.float32)
         probs = jnp.exp(logits - lse[..., None])
@@ -393,13 +394,17 @@ def _head_bwd(n, residuals, g):
         dlogits = (probs - hit) * g[..., None]
         dx = dx + jnp.einsum("bsv,vd->bsd", dlogits, piece.astype(jnp.float32))
         rows = jnp.einsum("bsv,bsd->vd", dlogits, x.astype(jnp.float32)).astype(table.dtype)
-        dtable = jax.lax.dynamic_update_index_in_dim(dtable, _as_bits(rows), j, axis=1)
-        return (dx, dtable), None
+        # The rows wait for every read of the piece (dx's too): then XLA writes them in
+        # place, not into a copy of the whole carry.
+        rows = dataflow.tie(dx, rows)
+        bits = jax.lax.dynamic_update_index_in_dim(bits, _as_bits(rows), j, axis=1)
+        return (dx, bits), None
 
-    zeros = _zeros((vocab // n, n, d), table.dtype, x, table, targets, g)
+    # The table waits for the log-sum-exp: else XLA makes the loop's copy of it while
+    # the forward still holds its own.
     start = (
         _zeros(x.shape, jnp.float32, x, table, targets, g),
-        _as_bits(dataflow.tie(lse, zeros)),
+        _as_bits(dataflow.tie(lse, table)).reshape(vocab // n, n, d),
     )
     (dx, dtable), _ = jax.lax.scan(body, start, jnp.arange(n))
     dtable = jax.lax.bitcast_convert_type(dtable, table.dtype)
