@@ -6,18 +6,18 @@ compile, timed apart, for XLA FSDP, ZeRO-3 and ZeRO++, compiled for H200s withou
     ... python experiments/gpu_compile_time.py --quick      # the trainer's GPT on 2 x 4
 
 The GPU counterpart of `experiments/compile_time.py` (XLA:CPU). The step is
-`experiments/gpu_compile.py`'s (`build_step`: the trainer's `train_step` and AdamW chain;
+`experiments/_gpu_target.py`'s (`build_step`: the trainer's `train_step` and AdamW chain;
 the `125m` preset takes the flags `compile_time.py` gives it, `--remat full`, 2048 tokens
 and one sequence per device), on a `nodes x 1 x local` topology of the `--gpu` target
-(deviceless ahead-of-time compilation, `gpu_compile.gpu_mesh`). Each engine runs in a
+(deviceless ahead-of-time compilation, `_gpu_target.gpu_mesh`). Each engine runs in a
 worker process; the worker first compiles one small sharded program for the mesh (the
 compiler's one-time start, not timed), then each repeat clears jax's caches, builds a
 fresh step and times `step.lower(state, batch)` and the compile apart. The compile takes
-no XLA options (`gpu_compile`'s flag set `none`, or `--flags`) and the worker no
+no XLA options (`_gpu_target.compiler_options`' flag set `none`, or `--flags`) and the worker no
 `XLA_FLAGS` but the caller's; jax's persistent compilation cache is off. The sizes of the
 last compiled program are `compile_time.hlo_sizes`'.
 
-Needs the CUDA plugin of the installed jaxlib (see `gpu_compile.py`). Writes
+Needs the CUDA plugin of the installed jaxlib (see `_gpu_target.py`). Writes
 `gpu_compile_time.{md,csv}` (`--quick`: `gpu_compile_time_quick.{md,csv}`) into `--out`
 (default `experiments/results/gpu_compile_time/`).
 """
@@ -41,8 +41,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs JAX; the GPU is a
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import _gpu_target  # noqa: E402
 import compile_time  # noqa: E402
-import gpu_compile  # noqa: E402
 
 ENGINES = ("XLA FSDP", "ZeRO-3", "ZeRO++")
 """The engines timed, in the table's order (`gpu_program.ENGINES`' names)."""
@@ -73,18 +73,18 @@ def worker(argv: list[str]) -> None:
 
     jax.config.update("jax_enable_compilation_cache", False)
     warnings.simplefilter("ignore")  # the engine's per-leaf notes
-    mesh = gpu_compile.gpu_mesh(gpu, nodes, local)
+    mesh = _gpu_target.gpu_mesh(gpu, nodes, local)
     _warm_up(mesh)
     lower_s, compile_s, cpu_s = [], [], []
     for _ in range(int(repeats)):
         jax.clear_caches()
-        step = gpu_compile.build_step(engine, model, mesh)
-        options = gpu_compile.compiler_options(flags, step.layer_bytes)
+        step = _gpu_target.build_step(engine, model, mesh)
+        options = _gpu_target.compiler_options(flags, step.layer_bytes)
         t = time.perf_counter()
         lowered = step.fn.lower(step.state, step.batch)
         lower_s.append(time.perf_counter() - t)
         t, cpu = time.perf_counter(), time.process_time()
-        compiled, options = gpu_compile.compile_for(lowered, options)
+        compiled, options = _gpu_target.compile_for(lowered, options)
         compile_s.append(time.perf_counter() - t)
         cpu_s.append(time.process_time() - cpu)
     sizes, ops, _ = compile_time.hlo_sizes(lowered.as_text(), compiled.as_text())
@@ -106,7 +106,7 @@ def worker(argv: list[str]) -> None:
         "load_1min": round(os.getloadavg()[0], 1),
         "lower_runs_s": " ".join(f"{s:.1f}" for s in lower_s),
         "compile_runs_s": " ".join(f"{s:.1f}" for s in compile_s),
-        "jax": gpu_compile.jax_text(),
+        "jax": _gpu_target.jax_text(),
     }
     print(json.dumps({**row, "ops": ops, "options": options}), flush=True)
 
@@ -224,8 +224,8 @@ def report(full: dict[str, dict], args: argparse.Namespace, machine: str, run: s
     return (
         f"# GPU compile time by engine\n\n{machine}; compiled by jax {rows[0]['jax']}.\n\n"
         f"{run}. {model}, compiled by XLA's GPU compiler for {args.mesh} {args.gpu.upper()}s "
-        f"without a GPU (`gpu_compile.gpu_mesh`, `build_step`), compiler options: flag "
-        f"set `{args.flags}` of `gpu_compile.compiler_options` ({options}); `XLA_FLAGS`: "
+        f"without a GPU (`_gpu_target.gpu_mesh`, `build_step`), compiler options: flag "
+        f"set `{args.flags}` of `_gpu_target.compiler_options` ({options}); `XLA_FLAGS`: "
         f"{xla_flags}. Median of {args.repeats} compile(s) per engine, each in a fresh trace "
         "with jax's caches cleared, after one untimed warm-up compile per worker. "
         "`compile_cpu_s`: CPU seconds of the compiling process (all threads). Sizes: the "

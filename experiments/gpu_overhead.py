@@ -7,7 +7,7 @@ side, and what the engine's programs run that XLA FSDP's does not.
 
 The step is the one `gpu_step.py --no-scan-layers` timed on an H200 (the trainer's 125M GPT,
 unscanned, `--remat full`, 8 sequences of 1024 tokens, AdamW, a `1 x 1` mesh, the state
-donated, no XLA flags), compiled without a GPU for one H200 (`gpu_compile.gpu_mesh`:
+donated, no XLA flags), compiled without a GPU for one H200 (`_gpu_target.gpu_mesh`:
 deviceless ahead-of-time compilation with the CUDA plugin; `kernels="auto"` resolves to the
 Pallas kernels there, as on the GPU). On one device no bytes move, so every difference is
 the engines' own work.
@@ -107,7 +107,7 @@ def xla_cost(compiled: Any) -> dict[str, float]:
 
 def compile_program(engine: str, mesh: Any) -> dict[str, Any]:
     """The compiled step of `engine`: its HLO text, XLA's cost and its memory analysis."""
-    from gpu_compile import jax_text
+    from _gpu_target import jax_text
 
     fn, state, batch = build_step(engine, mesh)
     compiled = fn.lower(state, batch).compile()
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.hlo_from is not None:
             programs[engine] = load_program(args.hlo_from, engine)
             continue
-        from gpu_compile import gpu_mesh
+        from _gpu_target import gpu_mesh
 
         programs[engine] = compile_program(engine, gpu_mesh(args.gpu, 1, 1))
         if args.save_hlo is not None:

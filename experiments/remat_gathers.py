@@ -15,7 +15,7 @@ gathered. `gather again` is the form of CPU programs, forced here on the same me
 backward gathers them a second time. Each row: the ledger of the step (`zpp.comm_ledger`,
 the program as JAX wrote it; M = the model in 16-bit bytes) and the compiled step's
 temporaries per device (`memory_analysis()`; compiled from shapes, deviceless for GPUs
-with the CUDA plugin, `gpu_compile.gpu_mesh`).
+with the CUDA plugin, `_gpu_target.gpu_mesh`).
 
 Writes `remat_gathers.{md,csv}` into `--out` (default `experiments/results/remat_gathers/`).
 """
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     else:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs JAX; the GPU is a target
-        import gpu_compile
+        import _gpu_target
 
-        mesh, target = gpu_compile.gpu_mesh("h200", nodes, local), "H200s, compiled deviceless"
+        mesh, target = _gpu_target.gpu_mesh("h200", nodes, local), "H200s, compiled deviceless"
     flags = trainer_argv(args.model, args.seq_len, nodes * local, extra)
     rows = [row(e, f, mesh, flags) for e in ENGINES for f in FORMS]
     head = (

@@ -27,6 +27,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
 
+import _gpu_target as gpu_target  # noqa: E402
 import gpu_compile  # noqa: E402
 import gpu_program  # noqa: E402
 
@@ -185,7 +186,7 @@ def test_zeropp_on_h200s_sends_what_the_ledger_says(zeropp_program):
     from zeropp_jax.train.model import GPT, init_fn
 
     mesh = zpp.make_mesh(2, 4)
-    args = parse_args(gpu_compile.model_args("gpt", 8))
+    args = parse_args(gpu_target.model_args("gpt", 8))
     gpt = gpt_config(args)
     state = zpp.TrainState.abstract(
         apply_fn=GPT(gpt).apply,
@@ -237,12 +238,12 @@ def test_rows_are_picked_one_by_one_and_merged_per_gpu():
     assert gpu_compile.selected(args) == [("2x8", "gpt", "ZeRO++", ["docs", "none"])]
     with pytest.raises(SystemExit, match="not engine/model/mesh/flags"):
         gpu_compile.selected(argparse.Namespace(rows="ZeRO++/gpt/2x8"))
-    options = gpu_compile.compiler_options("docs+xla_gpu_x=2+xla_gpu_y=false", 1000)
+    options = gpu_target.compiler_options("docs+xla_gpu_x=2+xla_gpu_y=false", 1000)
     assert options["xla_gpu_x"] == 2 and options["xla_gpu_y"] is False
     assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 1000
-    assert gpu_compile.compiler_options("none", 1000) == {}
+    assert gpu_target.compiler_options("none", 1000) == {}
     with pytest.raises(SystemExit, match="is not 'xla_<name>=<value>'"):
-        gpu_compile.compiler_options("docs+overlap", 1000)
+        gpu_target.compiler_options("docs+overlap", 1000)
     row = {"engine": "ZeRO++", "model": "gpt", "mesh": "2x4", "flags": "docs"}
     old = [{**row, "gathers": "18"}]  # no gpu column
     new = [{**row, "gpu": "h100", "gathers": "17"}, {**row, "gpu": "h200", "gathers": "19"}]
@@ -267,7 +268,7 @@ def test_goals_read_the_loops_of_a_row():
 def test_kernels_compile_for_sm90():
     import pallas_kernels as pk
 
-    mesh = gpu_compile.gpu_mesh("h200", 1, 1)
+    mesh = gpu_target.gpu_mesh("h200", 1, 1)
     assert mesh.devices.flat[0].compute_capability == "9.0"
     one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=one)
@@ -283,11 +284,11 @@ def test_zeropp_step_compiles_with_asynchronous_8_bit_gathers():
     both scanned loops, every gather in them asynchronous, every gather 8-bit, the 4-bit
     gradient hop across nodes. (At width 32 on 2 x 2 GPUs one backward-loop gather is
     synchronous: too little compute to put beside it.)"""
-    mesh = gpu_compile.gpu_mesh("h200", 2, 4)
-    step = gpu_compile.build_step("ZeRO++", "gpt", mesh)
+    mesh = gpu_target.gpu_mesh("h200", 2, 4)
+    step = gpu_target.build_step("ZeRO++", "gpt", mesh)
     lowered = step.fn.lower(step.state, step.batch)
-    options = gpu_compile.compiler_options("docs", step.layer_bytes)
-    compiled, _ = gpu_compile.compile_for(lowered, options)
+    options = gpu_target.compiler_options("docs", step.layer_bytes)
+    compiled, _ = gpu_target.compile_for(lowered, options)
     module = hlo_text.parse_hlo_module(compiled.as_text())
     assert len(hlo_text.loop_bodies(module)) == 2  # the forward and the backward loop
     collectives = hlo_text.scheduled_collectives(module)
@@ -316,7 +317,7 @@ def test_engine_programs_on_one_h200_run_xla_fsdps_gemms_and_no_codec():
 
     from zeropp_jax._choices import NothingSentWarning
 
-    mesh = gpu_compile.gpu_mesh("h200", 1, 1)
+    mesh = gpu_target.gpu_mesh("h200", 1, 1)
     argv = ["--batch", "2", "--seq-len", "64", "--no-scan-layers"]
     per = {}
     for engine in ("XLA FSDP", "ZeRO-3", "ZeRO++"):
@@ -352,7 +353,7 @@ def test_zero3_on_h200s_gathers_each_remat_block_weight_once_in_the_backward():
 
     import zeropp_jax as zpp
 
-    mesh = gpu_compile.gpu_mesh("h200", 2, 4)
+    mesh = gpu_target.gpu_mesh("h200", 2, 4)
     argv = ["--batch", "8", "--seq-len", "64", "--no-scan-layers", "--remat", "full"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -377,21 +378,21 @@ class _Lowered:
 
 
 def test_compile_for_passes_the_renamed_pipelining_options_where_the_old_are_gone():
-    options = gpu_compile.compiler_options("docs", 1000)
+    options = gpu_target.compiler_options("docs", 1000)
     old = _Lowered(refused=set())  # jaxlib 0.10.2: the docs' names
-    assert gpu_compile.compile_for(old, options) == ("compiled", options)
-    new = _Lowered(refused=set(gpu_compile.RENAMED))  # jaxlib 0.12.0.1
-    compiled, used = gpu_compile.compile_for(new, options)
+    assert gpu_target.compile_for(old, options) == ("compiled", options)
+    new = _Lowered(refused=set(gpu_target.RENAMED))  # jaxlib 0.12.0.1
+    compiled, used = gpu_target.compile_for(new, options)
     assert compiled == "compiled" and len(new.calls) == 2
     assert used["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON"
-    assert not set(gpu_compile.RENAMED) & set(used)
+    assert not set(gpu_target.RENAMED) & set(used)
     assert used["xla_gpu_all_gather_combine_threshold_bytes"] == 1000
-    assert gpu_compile.renamed({"xla_gpu_enable_pipelined_all_reduce": False}) == {
+    assert gpu_target.renamed({"xla_gpu_enable_pipelined_all_reduce": False}) == {
         "xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_OFF"
     }
     other = _Lowered(refused={"xla_gpu_enable_latency_hiding_scheduler"})
     with pytest.raises(RuntimeError, match="latency_hiding"):  # not a rename: raised
-        gpu_compile.compile_for(other, options)
+        gpu_target.compile_for(other, options)
 
 
 def test_rows_of_another_jax_stay_beside_the_new_ones():
