@@ -130,20 +130,21 @@ def test_estimate_terms():
     assert zpp_.secondary == (padded + 4 * padded // 256) // 4
     assert zpp_.gradients == 4 * padded // 8 and zpp_.update == 2 * zpp_.gradients
     assert z3.saved == gpt.n_layers * 2 * 2048 * gpt.d_model
-    # the embedding gathered again (bfloat16), plus one vocabulary piece's float32
-    # probabilities, gradient and transpose, its mask and its float32 table rows, plus
-    # three float32 (S, d) arrays; without pieces, the whole float32 logits and gradient
+    # one vocabulary piece's float32 probabilities, gradient and transpose, its mask and
+    # its float32 table rows, plus three float32 (S, d) arrays; the embedding gathered
+    # again (bfloat16) becomes the head's gradient of it, which the whole leaves hold;
+    # without pieces, the embedding beside the whole float32 logits and gradient
     n, V, d = gpt.loss_chunks, gpt.vocab_size, gpt.d_model
     rest = z3.whole_leaves // 2
     assert rest >= V * d  # the whole leaves: the embedding, positions, final norm
-    assert z3.head == 2 * rest + 13 * 2048 * V // n + 4 * rest // n + 12 * 2048 * d
+    assert z3.head == 13 * 2048 * V // n + 4 * rest // n + 12 * 2048 * d
     whole = dataclasses.replace(gpt, loss_chunks=1, attn_chunk=0)
     assert plan.estimate(whole, state=state, layouts=state.layouts[1], **kw).head == (
         2 * rest + 8 * 2048 * V
     )
     assert z3.total == z3.state + max(z3.backward, z3.update)
-    # shared_grad="per_use": the head's gradient of the table is reduced at the head,
-    # not held through the backward
+    # shared_grad="per_use": the head's gradient of the table (in the gathered table's
+    # place) is reduced at the head, not held through the backward
     per_use = plan.estimate(gpt, state=state, layouts=state.layouts[1], per_use_reduce=True, **kw)
     assert per_use.whole_leaves == 0 and per_use.head == z3.head + 2 * rest
     assert per_use.whole_sum == z3.whole_sum == 2 * rest + 4 * rest // n

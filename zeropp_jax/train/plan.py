@@ -40,13 +40,16 @@ sequences per device of `S` tokens, model width `d`, `L` layers, `h` heads, voca
                 time), or S without chunks
   head          the backward through the output head: the embedding gathered again for
                 it, c Psi_rest (not for data parallelism, which holds every weight), and
-                without vocabulary pieces float32 logits and their gradient, 8 B S V; in
+                without vocabulary pieces float32 logits and their gradient, 8 B S V, and
+                with `shared_grad="per_use"` also the head's gradient of the table,
+                c Psi_rest, reduced when the head's backward ends; in
                 `GPTConfig.loss_chunks` = n pieces, one piece's float32 probabilities,
                 their gradient and its transpose, its target mask and its rows of the
                 table in float32, (12 + 1) B S V / n + 4 Psi_rest / n, plus the float32
-                input, input gradient and its update, 12 B S d; with
-                `shared_grad="per_use"` also the head's gradient of the table, c Psi_rest,
-                reduced when the head's backward ends
+                input, input gradient and its update, 12 B S d, where the gradient of
+                the table is written over the gathered table piece by piece
+                (`head_cross_entropy`): one c Psi_rest, which is the whole leaves' term
+                without `per_use`
   update        the optimizer step: the gradient and one float32 temporary of its size
                 (XLA fuses clipping, the moments and the update into few passes),
                 2 x 4 Psi_pad / N
@@ -300,7 +303,9 @@ def estimate(
         block = (c * (2 if prefetch else 1) + FLOAT) * block_params + inner + softmax
         whole = 0 if per_use_reduce else c * rest
     head = head_bytes(gpt, batch, seq, c, rest, replicated=replicated)
-    if per_use_reduce and not replicated:
+    if not replicated and gpt.loss_chunks > 1 and not per_use_reduce:
+        head -= c * rest  # the gathered table becomes the gradient: whole leaves hold it
+    elif per_use_reduce and not replicated and gpt.loss_chunks == 1:
         head += c * rest
     return Estimate(
         state=state_bytes(state) + FLOAT * batch * (seq + 1),
