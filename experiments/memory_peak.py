@@ -12,9 +12,13 @@ the step's temporaries into, largest first, each with the shapes of the values t
 it over the step. A slot is a range of bytes that values whose lives do not overlap take in turn.
 
 Each row names the slots that hold a whole copy of the tied embedding table (any value with
-`vocab x d_model` elements: the gathered table, its gradient, as bits or values) and the
-largest slots. Issue #48 asks why ZeRO-3 needs more memory than XLA FSDP at 125M and 350M;
-this is the measurement that answers it.
+`vocab x d_model` elements: the gathered table, its gradient, as bits or values) at some
+point of the step, and then, from XLA's live-range report (`--xla_dump_to` writes it beside
+the memory-usage report), what is live at the step's peak: the bytes, the instruction
+there, the whole tables among them and the largest buffers. A slot's values may live at
+other times than the peak; the live set is what the peak is made of. Issue #48 asks why
+ZeRO-3 needs more memory than XLA FSDP at 125M and 350M; this is the measurement that
+answers it.
 
 Writes `memory_peak.{md,csv}` into `--out` (default `experiments/results/memory_peak/`).
 """
@@ -86,6 +90,42 @@ def holding(found: list[Slot], count: int) -> list[Slot]:
     return [s for s in found if any(elements(x) == count for x in s.shapes)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Live:
+    """One buffer live at the peak of a compiled step (XLA's live-range report).
+
+    Attributes:
+      name: the instruction that defines it, e.g. `copy.608`.
+      size: bytes.
+      type: its type in the optimized HLO, e.g. `u16[50304,768]` ('' for a tuple).
+    """
+
+    name: str
+    size: int
+    type: str
+
+
+_LIVE = re.compile(r"^\s+(\S+?)\{[\d,]*\}: (\d+) bytes", re.M)
+_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = ([a-z]+\d*\[[\d,]*\])", re.M)
+
+
+def peak(live_range: str, hlo: str) -> tuple[str, list[Live]]:
+    """Where the peak of a step is and what is live there, from XLA's
+    `*-live-range.txt` and the step's optimized HLO text: the `op_name` of the
+    instruction at the peak (its name where it has none) and the buffers live at it,
+    largest first."""
+    head = re.search(r"Live ranges at (\d+) \(peak\):", live_range)
+    if head is None:
+        raise ValueError("not an XLA live-range report: no 'Live ranges at ... (peak)' line")
+    at = re.search(rf"^\s+{head.group(1)}:(\S+)$", live_range, re.M)
+    name = at.group(1) if at else "?"
+    line = re.search(rf"^\s*(?:ROOT )?%?{re.escape(name)} = .*$", hlo, re.M)
+    op = re.search(r'op_name="([^"]*)"', line.group(0)) if line else None
+    types = dict(_DEF.findall(hlo))
+    found = [Live(n, int(b), types.get(n, "")) for n, b in _LIVE.findall(live_range[head.end() :])]
+    return (op.group(1) if op else name), sorted(found, key=lambda v: (-v.size, v.name))
+
+
 def total_bytes(report: str) -> int:
     """The `Total bytes:` a memory-usage report states (its memory space's allocation)."""
     m = re.search(r"Total bytes: (\d+)", report)
@@ -94,12 +134,16 @@ def total_bytes(report: str) -> int:
     return int(m.group(1))
 
 
-def _report(folder: pathlib.Path) -> str:
-    """The largest module's memory-usage report in an XLA dump folder (the step's)."""
+def _report(folder: pathlib.Path) -> tuple[str, str, str]:
+    """The largest module's memory-usage report in an XLA dump folder (the step's), with
+    its live-range report and its optimized HLO text."""
     reports = sorted(folder.glob("*memory-usage-report.txt"), key=lambda p: p.stat().st_size)
     if not reports:
         raise SystemExit(f"memory_peak.py: XLA wrote no memory-usage report into {folder}")
-    return reports[-1].read_text()
+    stem = reports[-1].name.removesuffix("-memory-usage-report.txt")
+    live = folder / f"{stem}-live-range.txt"
+    hlo = folder / f"{stem}.txt"
+    return reports[-1].read_text(), live.read_text(), hlo.read_text()
 
 
 def worker(argv: list[str]) -> None:
@@ -122,10 +166,12 @@ def worker(argv: list[str]) -> None:
 
     row = memory.measure(size, engine, (nodes, local), int(seq))
     gpt = gpt_config(parse_args(["--model", size]))
-    report = _report(pathlib.Path(dump))
+    report, live_range, hlo = _report(pathlib.Path(dump))
     folder.cleanup()
     found = slots(report)
     table = holding(found, gpt.vocab_size * gpt.d_model)
+    where, live = peak(live_range, hlo)
+    tables = [v for v in live if v.type and elements(v.type) == gpt.vocab_size * gpt.d_model]
     print(
         json.dumps(
             {
@@ -137,9 +183,11 @@ def worker(argv: list[str]) -> None:
                 "report_total_MiB": round(total_bytes(report) / MIB, 2),
                 "whole_table_slots": len(table),
                 "whole_table_MiB": round(sum(s.size for s in table) / MIB, 2),
-                "largest_slots": "; ".join(
-                    f"{s.size / MIB:.2f} MiB: {', '.join(largest_first(s.shapes)[:4])}"
-                    for s in found[: int(top)]
+                "peak_live_MiB": round(sum(v.size for v in live) / MIB, 2),
+                "peak_at": "/".join(where.split("/")[-3:]),
+                "peak_whole_tables": len(tables),
+                "peak_largest": "; ".join(
+                    f"{v.size / MIB:.2f} MiB {v.type or v.name}" for v in live[: int(top)]
                 ),
             }
         ),
@@ -156,7 +204,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--sizes", default="125m,350m", help="presets, comma-separated")
     p.add_argument("--engines", default="XLA FSDP,ZeRO-3", help="engines, comma-separated")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (2048)")
-    p.add_argument("--top", type=int, default=4, help="largest slots listed per row (4)")
+    p.add_argument("--top", type=int, default=6, help="largest live buffers listed (6)")
     p.add_argument("--out", default=str(_common.study_dir("memory_peak")))
     args = p.parse_args(argv)
     _common.request_cpu_devices(8)
@@ -175,9 +223,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "`total_GB`, as `memory.py` reads it), the total the step's memory-usage report "
         "states (MiB; arguments, outputs and temporaries), the slots that hold a value "
         "with as many elements as the tied embedding table (`vocab x d_model`: the "
-        "gathered table or its gradient, as values or bits) and the largest slots with "
-        "the types of the values that share each (at most four listed, most elements "
-        "first).\n\n"
+        "gathered table or its gradient, as values or bits) over the whole step; then, "
+        "from XLA's live-range report, the bytes live at the step's peak "
+        "(`peak_live_MiB`, each buffer once), the last three parts of the `op_name` of "
+        "the instruction at the peak, how many values live there are a whole table, and "
+        f"the {args.top} largest buffers live there with their types.\n\n"
     )
     _common.write_table(pathlib.Path(args.out), "memory_peak", head, rows)
     return rows
