@@ -82,7 +82,8 @@ def tie(to: Any, x: Any, *, barrier: bool = False) -> Any:
     a one-element kernel. With `barrier` (a program for GPUs, whose compiler keeps the
     barrier): `lax.optimization_barrier` over one element of `to` and `x`, which costs no
     pass over `x` (one element, not the whole of `to`: a barrier over a whole activation
-    makes XLA write it out where it would have fused it into its consumer).
+    makes XLA write it out where it would have fused it into its consumer). PRNG keys in
+    `x` are returned as they are (they take no arithmetic).
     """
     leaves = [v for v in jax.tree_util.tree_leaves(to) if is_inexact(v) and v.size]
     if not leaves:
@@ -91,7 +92,13 @@ def tie(to: Any, x: Any, *, barrier: bool = False) -> Any:
         return lax.optimization_barrier((jnp.ravel(leaves[0])[0], x))[1]
     first = jnp.ravel(leaves[0])[0].astype(jnp.float32)
     zero = jnp.where(first == first, -jnp.minimum(jnp.abs(first), 0.0), -0.0)
-    return jax.tree_util.tree_map(lambda v: v + zero.astype(v.dtype), x)
+
+    def tied(v: Any) -> Any:
+        if jax.dtypes.issubdtype(jax.typeof(v).dtype, jax.dtypes.extended):
+            return v  # a PRNG key (a scan's per-layer keys): no arithmetic, left as it is
+        return v + zero.astype(v.dtype)
+
+    return jax.tree_util.tree_map(tied, x)
 
 
 def tie_after(tos: Sequence[Any], x: Any, *, barrier: bool = False) -> Any:
