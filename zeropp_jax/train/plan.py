@@ -176,15 +176,25 @@ def block_internals(gpt: GPTConfig, batch: int, seq: int, c: int, w: int | None 
 
 
 def head_bytes(
-    gpt: GPTConfig, batch: int, seq: int, c: int, rest: int, *, replicated: bool = False
+    gpt: GPTConfig,
+    batch: int,
+    seq: int,
+    c: int,
+    rest: int,
+    *,
+    replicated: bool = False,
+    per_use: bool = False,
 ) -> int:
-    """The backward through the output head (module docstring)."""
+    """The backward through the output head (module docstring); `per_use`: the head's
+    gradient of the table is reduced at the head (`shared_grad="per_use"`)."""
     n, tokens = gpt.loss_chunks, batch * seq
     table = 0 if replicated else c * rest
-    if n == 1:
-        return table + 2 * FLOAT * tokens * gpt.vocab_size
+    if n == 1:  # the gathered table, per use its gradient beside it, the whole logits
+        return table * (2 if per_use else 1) + 2 * FLOAT * tokens * gpt.vocab_size
+    # In pieces the gradient is written over the gathered table: per use that one buffer;
+    # otherwise it is the whole leaves' term.
     per_piece = (3 * FLOAT + 1) * tokens * gpt.vocab_size // n + FLOAT * rest // n
-    return table + per_piece + 3 * FLOAT * tokens * gpt.d_model
+    return (table if per_use else 0) + per_piece + 3 * FLOAT * tokens * gpt.d_model
 
 
 def saved_bytes(gpt: GPTConfig, batch: int, seq: int, c: int, w: int | None = None) -> int:
@@ -302,11 +312,7 @@ def estimate(
     else:
         block = (c * (2 if prefetch else 1) + FLOAT) * block_params + inner + softmax
         whole = 0 if per_use_reduce else c * rest
-    head = head_bytes(gpt, batch, seq, c, rest, replicated=replicated)
-    if not replicated and gpt.loss_chunks > 1 and not per_use_reduce:
-        head -= c * rest  # the gathered table becomes the gradient: whole leaves hold it
-    elif per_use_reduce and not replicated and gpt.loss_chunks == 1:
-        head += c * rest
+    head = head_bytes(gpt, batch, seq, c, rest, replicated=replicated, per_use=per_use_reduce)
     return Estimate(
         state=state_bytes(state) + FLOAT * batch * (seq + 1),
         gradients=FLOAT * padded // n,
