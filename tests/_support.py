@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
 from zeropp_jax.state import _partition as part
-from zeropp_jax.train.model import GPT, GPTConfig, init_fn
+from zeropp_jax.train.model import GPT, GPTConfig, init_fn, loss_fn
 from zeropp_jax.wire.quant import qmax
 
 
@@ -132,6 +132,22 @@ def abstract_gpt_state(gpt: GPTConfig, config: zpp.ZeroPPConfig) -> zpp.TrainSta
         mesh=zpp.make_mesh(2, 4),
         config=config,
     )
+
+
+def gpt_step_temp(
+    gpt: GPTConfig, config: zpp.ZeroPPConfig, compiler_options: dict | None = None
+) -> int:
+    """Temporary bytes per device of one training step of the trainer's `GPT(gpt)` (its
+    loss, AdamW; 8 sequences) under `config` on a 2x4 mesh, compiled from shapes with
+    `compiler_options` (None: the suite's XLA flags)."""
+
+    def step_fn(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    batch = jax.ShapeDtypeStruct((8, gpt.seq_len + 1), jnp.int32)
+    lowered = zpp.shard(step_fn, donate_state=True).lower(abstract_gpt_state(gpt, config), batch)
+    return lowered.compile(compiler_options=compiler_options).memory_analysis().temp_size_in_bytes
 
 
 def per_device(mesh, fn, x, *extra):

@@ -85,26 +85,18 @@ def test_prefetch_holds_about_the_next_layer_not_the_peeled_layer_s_recompute():
     forward from them before the loop and holds it through every other layer's backward
     (2.09 layers of gathered weights more than without prefetch, here; 1.43 with the wait:
     the next layer's weights and their wire)."""
-    from _support import XLA_DEFAULTS, abstract_gpt_state
+    from _support import XLA_DEFAULTS, gpt_step_temp
 
-    from zeropp_jax.train.model import GPTConfig, loss_fn
+    from zeropp_jax.train.model import GPTConfig
 
     cfg = GPTConfig(
         seq_len=256, d_model=256, n_layers=4, n_heads=4, vocab_size=256, scan=True,
         remat="full", attn_chunk=64,
     )  # fmt: skip
-
-    def step_fn(state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    batch = jax.ShapeDtypeStruct((8, cfg.seq_len + 1), jnp.int32)
-    temp = {}
-    for prefetch in (False, True):
-        state = abstract_gpt_state(cfg, zpp.ZeroPPConfig.zero3(prefetch=prefetch))
-        lowered = zpp.shard(step_fn, donate_state=True).lower(state, batch)
-        compiled = lowered.compile(compiler_options=XLA_DEFAULTS)
-        temp[prefetch] = compiled.memory_analysis().temp_size_in_bytes
+    temp = {
+        prefetch: gpt_step_temp(cfg, zpp.ZeroPPConfig.zero3(prefetch=prefetch), XLA_DEFAULTS)
+        for prefetch in (False, True)
+    }
     layer = 12 * cfg.d_model**2 * 2  # one layer's gathered bfloat16 weights
     assert temp[True] - temp[False] < 1.75 * layer, (temp, layer)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _support import XLA_DEFAULTS, abstract_gpt_state
+from _support import XLA_DEFAULTS, gpt_step_temp
 from flax.training import train_state
 
 import zeropp_jax as zpp
@@ -176,23 +176,15 @@ def test_per_use_shared_gradient_holds_less_than_a_sum_of_uses():
     lookup's through the whole backward; `"per_use"` reduces it at the head. The
     temporaries drop by at least a quarter of the table in bfloat16 (the end of the
     backward, the lookup's float32 scatter-add, then bounds the peak from below)."""
-    from zeropp_jax.train.model import GPTConfig, loss_fn
+    from zeropp_jax.train.model import GPTConfig
 
     cfg = GPTConfig(
         seq_len=16, d_model=128, n_layers=4, n_heads=4, vocab_size=32768, scan=True,
         remat="full", loss_chunks=8,
     )  # fmt: skip
-
-    def step_fn(state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    batch = jax.ShapeDtypeStruct((8, cfg.seq_len + 1), jnp.int32)
-    temp = {}
-    for shared_grad in ("once", "per_use"):
-        config = zpp.ZeroPPConfig.zero3(shared_grad=shared_grad)
-        state = abstract_gpt_state(cfg, config)
-        compiled = zpp.shard(step_fn, donate_state=True).lower(state, batch).compile()
-        temp[shared_grad] = compiled.memory_analysis().temp_size_in_bytes
+    temp = {
+        shared_grad: gpt_step_temp(cfg, zpp.ZeroPPConfig.zero3(shared_grad=shared_grad))
+        for shared_grad in ("once", "per_use")
+    }
     table = cfg.vocab_size * cfg.d_model * 2
     assert temp["per_use"] <= temp["once"] - table // 4, (temp, table)
