@@ -82,9 +82,9 @@ def test_without_remat_the_backward_recomputes_nothing():
 def test_prefetch_holds_about_the_next_layer_not_the_peeled_layer_s_recompute():
     """With prefetch the backward loop's last layer runs after the loop (`pipelined`). Its
     kept values wait for the cotangent reaching it: else XLA recomputes that layer's
-    forward from them before the loop and holds it through every other layer's backward
-    (2.09 layers of gathered weights more than without prefetch, here; 1.43 with the wait:
-    the next layer's weights and their wire)."""
+    forward from them before the loop and holds it through every other layer's backward,
+    and prefetch costs more than 1.75 layers of gathered weights here. With the wait it
+    costs less: the next layer's weights and their wire."""
     from _support import XLA_DEFAULTS, gpt_step_temp
 
     from zeropp_jax.train.model import GPTConfig
