@@ -222,6 +222,7 @@ class _Run:
         self.whole = loop.kept_whole()
         self.rewire = loop.rewired()
         self.split = _Split.of(loop)
+        self.recomputes = _recomputes(loop.body.jaxpr)
         # How one layer's kept VJP flattens (its treedef and leaf dtypes), set when the
         # forward is traced and read when the backward is.
         self.traced: dict[str, Any] = {}
@@ -300,12 +301,13 @@ class _Run:
 
         def compute(i, carry, flats, peeled):
             g_c, g_cs = carry
+            if peeled and self.recomputes:
+                # The layer after the loop reads its kept values and plain xs at an index
+                # that waits for the cotangent reaching it (a scalar tie, no copy): else
+                # XLA recomputes its forward from them before the loop and holds that
+                # through every other layer's backward.
+                i = dataflow.tie(g_c, i)
             kept_i, x_plain = _take(res_bits, i), _take(plain, i)
-            if peeled:
-                # The layer after the loop: its kept values and plain xs wait for the
-                # cotangent reaching it, else XLA recomputes its forward from them before
-                # the loop and holds that through every other layer's backward.
-                kept_i, x_plain = dataflow.tie(g_c, (kept_i, x_plain), barrier=g.barrier_ties)
             leaves = _from_bits(kept_i, self.traced["dtypes"])
             vjp = jax.tree_util.tree_unflatten(self.traced["tree"], leaves)
             weights, pull_weights = jax.vjp(lambda f: self.split.prologue(loop.weights(f)), flats)
@@ -392,6 +394,18 @@ class _Split:
         args = [*pre, *consts, *[None] * n[2], *plain]
         vjp = jaxpr_compat.vjp_restored(vjp, args, _saved(n))
         return _cuts(list(vjp((list(g_c), list(g_y)))), n)
+
+
+def _recomputes(jaxpr: jaxpr_compat.Jaxpr) -> bool:
+    """Whether a loop body holds a `jax.checkpoint` block (`nn.remat`), whose backward
+    recomputes part of its forward (also inside calls it makes)."""
+    for eqn in jaxpr.eqns:
+        if jaxpr_compat.remat_of(eqn) is not None:
+            return True
+        inner = jaxpr_compat.inlined_call(eqn)
+        if inner is not None and _recomputes(inner.jaxpr):
+            return True
+    return False
 
 
 def _saved(n: tuple[int, int, int, int]) -> list[bool]:
