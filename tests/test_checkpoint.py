@@ -143,12 +143,14 @@ def test_checkpoint_errors(tmp_path):
 def _stacked_state(tx, mesh):
     """A state with a stacked leaf (whose stored layout changed in versions 2 and 3), a
     leaf of rank 3 that layout 5 stores as one row (no axis of `(5, 7)` fits 8 devices,
-    its axis 0 of 16 does) and one step taken, so that the optimizer's moments are not
-    zero."""
+    its axis 0 of 16 does), a matrix that layout 6 splits over two axes (`(6, 4)`: 6 over
+    2 nodes, 4 over 4 local devices) and one step taken, so that the optimizer's moments
+    are not zero."""
     params = {
         "stack": jnp.arange(3 * 5 * 7, dtype=jnp.float32).reshape(3, 5, 7) / 100,
         "one_row": jnp.arange(16 * 5 * 7, dtype=jnp.float32).reshape(16, 5, 7) / 1000,
         "w": jnp.ones((5, 7), jnp.float32),
+        "grid": jnp.arange(6 * 4, dtype=jnp.float32).reshape(6, 4) / 10,
     }
     state = zpp.TrainState.create(apply_fn=lambda v, x: x, params=params, tx=tx, mesh=mesh)
     grads = jax.tree_util.tree_unflatten(
@@ -162,13 +164,15 @@ def _stacked_state(tx, mesh):
 
 
 def _write_layout_1(path, state, opt_leaves, version=1):
-    """`state` saved as a previous layout wrote it: layout 4 keeps axis 0 of every leaf of
-    rank 3 whole (`one_row` (16, 5, 7) stored (16, 5, 8), where layout 5 stores it as it
-    is, split on its axis 0); layout 3 pads every leaf on its (row's) first axis (`stack`
-    (3, 5, 7) stored (3, 8, 7), `w` (5, 7) stored (8, 7), where layouts 4 and 5 pad their
-    last axis); stacked leaves then flattened per layer in version 2 (`(3, 56)`), and
-    padded in values in version 1 (`C = ceil(35 / 8) * 8 = 40`, not 8 rows x 7 = 56) with
-    no `layout` field; the optimizer state's leaves are `opt_leaves(those leaves)`."""
+    """`state` saved as a previous layout wrote it: layout 5 splits every row on one axis
+    (`grid` (6, 4) stored (8, 4), where layout 6 stores it as it is); layout 4 keeps
+    axis 0 of every leaf of rank 3 whole (`one_row` (16, 5, 7) stored (16, 5, 8), where
+    layout 5 stores it as it is, split on its axis 0); layout 3 pads every leaf on its
+    (row's) first axis (`stack` (3, 5, 7) stored (3, 8, 7), `w` (5, 7) stored (8, 7),
+    where layouts 4 and 5 pad their last axis); stacked leaves then flattened per layer
+    in version 2 (`(3, 56)`), and padded in values in version 1 (`C = ceil(35 / 8) * 8 =
+    40`, not 8 rows x 7 = 56) with no `layout` field; the optimizer state's leaves are
+    `opt_leaves(those leaves)`."""
     import json
     import os
 
@@ -211,7 +215,7 @@ def _write_layout_1(path, state, opt_leaves, version=1):
         json.dump(meta, f)
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
 def test_restores_a_checkpoint_of_the_previous_layout(tmp_path, version):
     mesh = mesh_of((2, 4))
     tx = optax.adam(0.1)
@@ -222,6 +226,9 @@ def test_restores_a_checkpoint_of_the_previous_layout(tmp_path, version):
     # Layout 5 splits `one_row` on its axis 0 (16 rows, 2 per device), unpadded.
     assert state.params["one_row"].shape == (16, 5, 7)
     assert state.params["one_row"].sharding.spec == part.P(part.DP_AXES)
+    # Layout 6 splits `grid` over two axes, unpadded.
+    assert state.params["grid"].shape == (6, 4)
+    assert state.params["grid"].sharding.spec == part.P("node", "local")
     _write_layout_1(tmp_path / "v", state, lambda leaves: leaves, version)
     target = zpp.TrainState.create(
         apply_fn=lambda v, x: x, params=zpp.gather_params(state), tx=tx, mesh=mesh
@@ -271,3 +278,68 @@ def test_previous_layout_with_shape_reading_optimizer_state_says_how_to_convert(
         strict=True,
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_two_axis_leaves_restore_onto_other_grids_with_moments_and_residuals(tmp_path):
+    """A state whose kernels are stored split over two axes on 2 x 4 (`test_partition.Net`:
+    `local` on one axis, `node` on the other), with Adam moments and error-feedback
+    residuals, saved and restored onto 4 x 2 (the other grid), 1 x 8 (one axis) and 2 x 4:
+    parameters and moments exactly, the residuals' missing mass to float summation order,
+    and training goes on."""
+    from _support import regression_batches
+    from _support import train_step as plain_step
+    from test_partition import Net as GridNet
+
+    from zeropp_jax.state import _residuals as R
+
+    config = zpp.ZeroPPConfig(
+        weight_bits=None, grad_bits=2, grad_block_size=32, compute_dtype=jnp.float32
+    ).replace(error_feedback="all")
+    batches = regression_batches(3, 64, 6)
+    params = GridNet().init(jax.random.key(0), batches[0]["x"])["params"]
+
+    def make(shape):
+        return zpp.TrainState.create(
+            apply_fn=GridNet().apply,
+            params=params,
+            tx=optax.adam(1e-2),
+            mesh=mesh_of(shape),
+            config=config,
+        )
+
+    def values(state):
+        layouts = state.layouts[1]
+        adam = state.opt_state[0]
+        trees = (R.split(state.params)[0], adam.mu, adam.nu)
+        return [
+            np.asarray(part.from_master(x, lo, np.float32))
+            for tree in trees
+            for x, lo in zip(jax.tree_util.tree_leaves(tree), layouts, strict=True)
+        ]
+
+    def owed(state, nodes, local):
+        mass = R.missing_mass(state.params[R.KEY], state.layouts[1], nodes, local)
+        return [
+            None if m is None else np.asarray(part.from_master(m, lo, np.float32))
+            for m, lo in zip(mass, state.layouts[1], strict=True)
+        ]
+
+    state = make((2, 4))
+    assert sum(lo.two_axis for lo in state.layouts[1]) == 3
+    step = zpp.shard(plain_step)
+    for b in batches[:2]:
+        state, _ = step(state, b)
+    zpp.save_checkpoint(tmp_path / "grid", state)
+    want_owed = owed(state, 2, 4)
+    assert max(np.abs(m).max() for m in want_owed if m is not None) > 0
+    for shape in ((4, 2), (1, 8), (2, 4)):
+        target = make(shape)
+        restored = zpp.restore_checkpoint(tmp_path / "grid", target)
+        for a, b in zip(values(restored), values(state), strict=True):
+            np.testing.assert_array_equal(a, b)
+        for g, w in zip(owed(restored, *shape), want_owed, strict=True):
+            assert (g is None) == (w is None)
+            if w is not None:
+                np.testing.assert_allclose(g, w, rtol=0, atol=1e-7)
+        _, metrics = zpp.shard(plain_step)(restored, batches[2])
+        assert np.isfinite(float(metrics["loss"]))

@@ -95,9 +95,20 @@ def test_config_weight_delta_needs_hpz():
 
 
 class Net(nn.Module):
+    """Dense layers of `hidden` widths, then Dense(3). `GRID`'s (60, 60) kernel is stored
+    split over two axes on 2 x 4 (60 over 4 local devices, 60 over 2 nodes)."""
+
+    hidden: tuple[int, ...] = (37,)
+
     @nn.compact
     def __call__(self, x):
-        return nn.Dense(3)(jnp.tanh(nn.Dense(37)(x)))
+        for width in self.hidden:
+            x = jnp.tanh(nn.Dense(width)(x))
+        return nn.Dense(3)(x)
+
+
+GRID = Net(hidden=(60, 60))
+MODELS = {"one_axis": Net(), "two_axis": GRID}
 
 
 def loss_of(apply_fn, params, b):
@@ -118,12 +129,13 @@ def batch(seed):
 DELTA = zpp.ZeroPPConfig(weight_delta_bits=4, weight_block_size=32, compute_dtype=jnp.float32)
 
 
-def make_state(config, mesh_shape=(2, 4), lr=0.05, tx=None):
+def make_state(config, mesh_shape=(2, 4), lr=0.05, tx=None, model=None):
     mesh = make_mesh(*mesh_shape)
-    params = Net().init(jax.random.key(0), batch(0)["x"])["params"]
+    model = Net() if model is None else model
+    params = model.init(jax.random.key(0), batch(0)["x"])["params"]
     tx = optax.adam(lr) if tx is None else tx
     state = zpp.TrainState.create(
-        apply_fn=Net().apply, params=params, tx=tx, mesh=mesh, config=config
+        apply_fn=model.apply, params=params, tx=tx, mesh=mesh, config=config
     )
     return state, zpp.shard(train_step, mesh=mesh, config=config)
 
@@ -141,10 +153,12 @@ def node_copies(ref):
     return groups
 
 
-def test_engine_sender_and_receivers_agree_and_reference_tracks_the_weights():
-    state, step = make_state(DELTA)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_engine_sender_and_receivers_agree_and_reference_tracks_the_weights(model):
+    state, step = make_state(DELTA, model=MODELS[model])
     n = state.mesh.size
     sharded = [i for i, lo in enumerate(state.layouts[1]) if lo.sharded]
+    assert any(state.layouts[1][i].two_axis for i in sharded) == (model == "two_axis")
     assert sharded and all(state.weight_ref[i] is not None for i in sharded)
     for t in range(12):
         old = [np.asarray(state.weight_ref[i]) for i in sharded]
@@ -168,7 +182,8 @@ def test_engine_sender_and_receivers_agree_and_reference_tracks_the_weights():
                 assert np.all(np.abs(r[sl] - w[sl]) <= bound), (t, i, p)
 
 
-def test_engine_forward_uses_the_reference_exactly():
+@pytest.mark.parametrize("model", list(MODELS))
+def test_engine_forward_uses_the_reference_exactly(model):
     """With an unquantized stage 2 and gradient reduction, the sharded loss and gradients
     are the unsharded ones at the reference (to float summation order)."""
     cfg = zpp.ZeroPPConfig(
@@ -177,7 +192,7 @@ def test_engine_forward_uses_the_reference_exactly():
         grad_bits=None,
         compute_dtype=jnp.float32,
     )
-    state, step = make_state(cfg)
+    state, step = make_state(cfg, model=MODELS[model])
     for t in range(3):
         state, _ = step(state, batch(t))
     treedef, layouts = state.layouts
@@ -191,7 +206,9 @@ def test_engine_forward_uses_the_reference_exactly():
         ],
     )
     b = batch(7)
-    want_loss, want_grads = jax.value_and_grad(lambda p: loss_of(Net().apply, p, b))(ref_params)
+    want_loss, want_grads = jax.value_and_grad(lambda p: loss_of(MODELS[model].apply, p, b))(
+        ref_params
+    )
     got_loss, got_grads = jax.jit(jax.value_and_grad(lambda p: loss_of(state.apply_fn, p, b)))(
         state.params
     )

@@ -17,7 +17,7 @@ from optax.contrib import MuonDimensionNumbers
 
 import zeropp_jax as zpp
 from zeropp_jax import _distributed_muon as muon_lib
-from zeropp_jax.state._partition import view_axis
+from zeropp_jax.state._partition import view_split
 from zeropp_jax.wire.quant import qmax
 
 EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
@@ -157,13 +157,15 @@ def test_each_matrix_gathered_once_across_nodes_first(setup):
     assert all(r.op == "all-gather" and r.dtype == "uint16" for r in bf16), bf16
     # One gather per matrix and stage: over `node`, then over `local`.
     assert sorted(r.axes for r in bf16) == [("local",)] * len(kernels) + [("node",)] * len(kernels)
-    # XLA gathers the view padded to a multiple of the 8 devices on the axis the engine
-    # splits (`partition.view_axis`: the (10, 60) kernel's 60, the others' rows): the inner
-    # stage ends with every (padded) matrix whole.
-    axes = [view_axis(k.shape, 8) for k in kernels]
-    assert axes == [1, 0, 1], axes  # kernels: Dense_0 (10, 60), Dense_1 (60, 10), scanned
+    # XLA gathers the view padded to a multiple of the devices that split the axis the
+    # engine's view splits over `local` (`partition.view_split`: every kernel here is split
+    # over two axes, a 60 over the 4 local devices and the other axis over the 2 nodes): the
+    # inner stage ends with every (padded) matrix whole.
+    splits = [view_split(k.shape, 8, 4) for k in kernels]
+    assert splits == [(1, 4), (0, 4), (2, 4)], splits  # Dense_0 (10, 60), Dense_1, scanned
     padded = [
-        k.size // k.shape[a] * -(-k.shape[a] // 8) * 8 for k, a in zip(kernels, axes, strict=True)
+        k.size // k.shape[a] * -(-k.shape[a] // n) * n
+        for k, (a, n) in zip(kernels, splits, strict=True)
     ]
     assert sum(r.out_bytes for r in bf16 if r.axes == ("local",)) == 2 * sum(padded)
     # Each node link carries the other node's half of every matrix, once, in 16 bits.
@@ -177,13 +179,16 @@ def test_each_matrix_gathered_once_across_nodes_first(setup):
 
 
 def padded_int8(kernel) -> int:
-    """int8 bytes of a kernel's gather: rows padded to a multiple of 8 devices, each row's
-    values to a whole `INT8_BLOCK`."""
+    """int8 bytes of a kernel's gather on 2 x 4, each row's values padded to a whole
+    `INT8_BLOCK`: quantized where they are held and gathered as the view splits them where
+    the engine stores the kernel over two axes (`partition.view_split` gives 4 devices),
+    else gathered along its next-to-last axis, its rows padded to a multiple of 8."""
+    shards = 1 if view_split(kernel.shape, 8, 4)[1] == 4 else 8
     rows = kernel.shape[kernel.ndim - 2]
     lead = kernel.size // (rows * kernel.shape[-1])
     block = min(muon_lib.INT8_BLOCK, kernel.shape[-1])
     cols = -(-kernel.shape[-1] // block) * block
-    return lead * -(-rows // 8) * 8 * cols
+    return lead * -(-rows // shards) * shards * cols
 
 
 def test_unknown_format_is_refused():

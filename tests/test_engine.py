@@ -109,13 +109,15 @@ def test_gather_params_restores_shapes_and_dtypes():
         apply_fn=lambda v, x: x, params=params, tx=optax.sgd(0.1), mesh=mesh
     )
     # Master copies: float32, one axis padded to a multiple of 8 rows (the one that pads
-    # least: 5 -> 8 rather than 3 -> 8), sharded on it; a stacked leaf (rank 3) keeps axis
-    # 0 and pads each slice to a multiple of 8 rows (3 x 3 -> 8 x 3); others replicated.
+    # least: 5 -> 8 rather than 3 -> 8; over two axes, 3 -> 4 and 5 -> 6, pads no less),
+    # sharded on it; a stacked leaf (rank 3) keeps axis 0 and splits each 3 x 3 slice over
+    # two axes, 4 local devices and 2 nodes (4 x 4, where one axis pads to 8 x 3); others
+    # replicated.
     assert state.params["w"].shape == (3, 8) and state.params["w"].dtype == jnp.float32
     assert state.params["w"].sharding.spec == engine.part.P(None, engine.part.DP_AXES)
     assert state.params["b"].sharding.spec == engine.part.PARAM_SPEC
-    assert state.params["stack"].shape == (2, 8, 3)
-    assert state.params["stack"].sharding.spec == engine.part.ROW_PARAM_SPEC
+    assert state.params["stack"].shape == (2, 4, 4)
+    assert state.params["stack"].sharding.spec == engine.part.P(None, "node", "local")
     assert state.params["table"].sharding.spec == engine.part.REPLICATED
     assert state.params["s"].sharding.spec == engine.part.REPLICATED
     got = zpp.gather_params(state)

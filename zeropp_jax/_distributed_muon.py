@@ -39,7 +39,13 @@ from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers, MuonState
 from optax.contrib import _muon as optax_muon
 
-from zeropp_jax.state._partition import MODEL_AXIS, view_axis
+from zeropp_jax.state._partition import (
+    MODEL_AXIS,
+    LeafLayout,
+    leaf_spec,
+    view_split,
+    with_devices,
+)
 from zeropp_jax.wire import _encoding as wire
 from zeropp_jax.wire import quant
 
@@ -79,11 +85,15 @@ def _fenced(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.lax.optimization_barrier(x)
 
 
-def _replicated(x: jax.Array, mesh: Any, row_axis: int = 0) -> jax.Array:
+def _replicated(
+    x: jax.Array, mesh: Any, row_axis: int = 0, row_shards: int | None = None
+) -> jax.Array:
     """`x` replicated over `mesh`: where the mesh has a `NODE_AXIS` of more than one node,
     in two gathers, first across nodes (axis `row_axis` left sharded over the other data
     axes: each device fetches its rows' counterparts from the other nodes), then inside
-    each node; else in one.
+    each node; else in one. `row_shards`: the devices `row_axis` is split over in `x`'s
+    sharding (default: every data-parallel device; the `local` size for a view split over
+    two axes, `partition.view_split`), to which its rows are padded.
 
     The engine's model-shaped views shard a matrix's rows (`row_axis`) over `('local',
     'node')`, so that one gather over all devices would run a ring in that interleaved
@@ -100,7 +110,7 @@ def _replicated(x: jax.Array, mesh: Any, row_axis: int = 0) -> jax.Array:
     # Rows that do not divide over the devices: padded here to what the shards already
     # hold, so that both stages split evenly (else XLA re-pads between them with
     # collective-permutes).
-    shards = mesh.size // dict(mesh.shape).get(MODEL_AXIS, 1)  # the data-parallel devices
+    shards = row_shards or mesh.size // dict(mesh.shape).get(MODEL_AXIS, 1)  # data-parallel
     whole = -(-rows // shards) * shards
     if whole != rows:
         pad = [(0, 0)] * x.ndim
@@ -112,16 +122,67 @@ def _replicated(x: jax.Array, mesh: Any, row_axis: int = 0) -> jax.Array:
     return jax.lax.slice_in_dim(x, 0, rows, axis=row_axis)
 
 
-def _row_axis(shape: tuple[int, ...], mesh: Any) -> int:
-    """The axis the engine's model-shaped view of a matrix of `shape` is sharded along over
-    `mesh`'s data-parallel devices (`partition.view_axis`: its first matrix axis where that
-    divides evenly, else the axis that pads least). A tensor-parallel leaf's view, or XLA
-    FSDP's parameter sharded on another axis, is resharded by XLA first: the same values,
-    more bytes."""
+def _row_split(shape: tuple[int, ...], mesh: Any) -> tuple[int, int | None]:
+    """`(axis, devices)`: the axis the engine's model-shaped view of a matrix of `shape` is
+    sharded along over `mesh`'s data-parallel devices, and over how many
+    (`partition.view_split`: its first matrix axis where that divides evenly, else the
+    axis that pads least, over all of them; or, split over two axes, the one over
+    `local`). A tensor-parallel leaf's view, or XLA FSDP's parameter sharded on another
+    axis, is resharded by XLA first: the same values, more bytes."""
     if mesh is None or not shape:
-        return 0
+        return 0, None
     shards = mesh.size // dict(mesh.shape).get(MODEL_AXIS, 1)
-    return view_axis(tuple(shape), shards)
+    local = dict(mesh.shape).get("local")
+    return view_split(tuple(shape), shards, local)
+
+
+def _two_axis_spec(shape: tuple[int, ...], mesh: Any) -> P | None:
+    """How the engine's model-shaped view of a matrix of `shape` is sharded over `mesh`
+    where its stored layout splits it over two axes (`local` on one, `node` on the other,
+    `partition.fit_grid`); None where it splits one axis."""
+    if mesh is None or not shape or NODE_AXIS not in mesh.axis_names:
+        return None
+    shards = mesh.size // dict(mesh.shape).get(MODEL_AXIS, 1)
+    layout = with_devices(
+        LeafLayout(tuple(shape), "float32", True, 0),
+        shards,
+        local_size=dict(mesh.shape).get("local"),
+    )
+    return leaf_spec(layout) if layout.two_axis else None
+
+
+def _without_node(spec: P) -> P:
+    return P(*(None if d == NODE_AXIS else d for d in spec))
+
+
+def _int8_where_held(
+    x: jax.Array, block_size: int, mesh: Any, spec: P
+) -> tuple[jax.Array, jax.Array]:
+    """`_int8_rows` of a view split over two axes as `spec` says, quantized where each
+    device holds its values (the last axis's split carried to the blocks, or to the
+    values of one block, where it divides them; a block spanning devices takes its
+    scale from a max over them), then gathered in int8 across nodes and inside each
+    node. Equal to `_int8_rows` on one device."""
+    cols = x.shape[-1]
+    block = min(block_size, cols)
+    blocks = -(-cols // block)
+    last = spec[-1] if len(spec) == x.ndim else None
+    lead = list(spec[: x.ndim - 1]) + [None] * (x.ndim - 1 - len(spec[: x.ndim - 1]))
+    size = 1 if last is None else mesh.shape[last]
+    if blocks > 1 and blocks % size == 0:
+        grid_spec = P(*lead, last, None)
+    elif blocks == 1 and block % size == 0:
+        grid_spec = P(*lead, None, last)
+    else:
+        grid_spec = P(*lead, None, None)
+    held = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*lead, last)))
+    values, scales = _int8_rows(held, block_size)
+    values = jax.lax.with_sharding_constraint(values, NamedSharding(mesh, grid_spec))
+    stages = []
+    for a, sp in ((values, grid_spec), (scales, P(*grid_spec[:-1]))):
+        a = _fenced(a, NamedSharding(mesh, _without_node(sp)))
+        stages.append(_fenced(a, NamedSharding(mesh, P())))
+    return stages[0], stages[1]
 
 
 def _int8_rows(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
@@ -138,7 +199,12 @@ def _int8_rows(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
 
 
 def gather_whole(
-    x: jax.Array, gather_format: str, *, block_size: int = INT8_BLOCK, row_axis: int = 0
+    x: jax.Array,
+    gather_format: str,
+    *,
+    block_size: int = INT8_BLOCK,
+    row_axis: int = 0,
+    row_shards: int | None = None,
 ) -> jax.Array:
     """A matrix (global view) -> the same matrix in `gather_format`'s precision, float32,
     replicated over the mesh it lives on (gathered once, in the format's bytes: across
@@ -148,7 +214,8 @@ def gather_whole(
       x: float32, any rank, global shape; sharded or not.
       gather_format: one of `GATHER_FORMATS`.
       block_size: values per scale for `"int8"`.
-      row_axis: the axis whose shards the cross-node stage gathers (`_row_axis`).
+      row_axis: the axis whose shards the cross-node stage gathers (`_row_split`).
+      row_shards: the devices `row_axis` is split over (`_replicated`; default: all).
 
     Returns:
       float32 of `x.shape`: `x` itself (`"float32"`), `x` rounded to bfloat16, or `x`
@@ -157,16 +224,22 @@ def gather_whole(
     check_gather_format(gather_format)
     mesh = _mesh_of(x)
     if gather_format == "float32":
-        return _replicated(x, mesh, row_axis)
+        return _replicated(x, mesh, row_axis, row_shards)
     if gather_format == "bfloat16":
-        bits = _replicated(wire.to_wire(x.astype(jnp.bfloat16)), mesh, row_axis)
+        bits = _replicated(wire.to_wire(x.astype(jnp.bfloat16)), mesh, row_axis, row_shards)
         return wire.from_wire(bits, jnp.bfloat16).astype(jnp.float32)
+    spec = _two_axis_spec(x.shape, mesh)
+    if spec is not None:
+        values, scales = _int8_where_held(x, block_size, mesh, spec)
+        full = quant.dequantize_blocks(values, scales, bits=8)
+        return full.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]]
     values, scales = _int8_rows(x, block_size)
     if row_axis == x.ndim - 1 and x.ndim > 1:
         # Split along the blocks' own axis: the blocks cross shard boundaries, so the
         # values are gathered along the matrix's other axis (XLA reshards them first).
-        row_axis = x.ndim - 2
-    values, scales = _replicated(values, mesh, row_axis), _replicated(scales, mesh, row_axis)
+        row_axis, row_shards = x.ndim - 2, None
+    values = _replicated(values, mesh, row_axis, row_shards)
+    scales = _replicated(scales, mesh, row_axis, row_shards)
     full = quant.dequantize_blocks(values, scales, bits=8)
     return full.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]]
 
@@ -182,7 +255,8 @@ def orthogonalize_gathered(
 ) -> jax.Array:
     """optax's `orthogonalize_via_newton_schulz` on `x` gathered whole (`gather_whole`);
     the result stays replicated until its consumer shards it (a slice, no collective)."""
-    full = gather_whole(x, gather_format, row_axis=_row_axis(x.shape, _mesh_of(x)))
+    axis, shards = _row_split(x.shape, _mesh_of(x))
+    full = gather_whole(x, gather_format, row_axis=axis, row_shards=shards)
     out = optax_muon.orthogonalize_via_newton_schulz(
         full, ns_coeffs, ns_steps, preconditioning, eps, dimension_numbers
     )

@@ -49,12 +49,16 @@ def _leaf_layouts(
     """Per parameter leaf its layout on `mesh`: ZeRO-sharded over `('node', 'local')`, and
     split over `model` where `names` (the leaf's `nn.Partitioned` names) say so."""
     n_dp = data_parallel_size(mesh)
-    layout_tree = part.param_layouts(shapes, n_dp)
+    local = int(mesh.shape["local"])
+    layout_tree = part.param_layouts(shapes, n_dp, local_size=local)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
     layouts = jax.tree_util.tree_leaves(layout_tree, is_leaf=part.is_layout)
     dims = tensor_parallel.model_dims(paths, [lo.shape for lo in layouts], names, mesh)
     k = model_axis_size(mesh)
-    layouts = [part.with_model_split(lo, d, k, n_dp) for lo, d in zip(layouts, dims, strict=True)]
+    layouts = [
+        part.with_model_split(lo, d, k, n_dp, local_size=local)
+        for lo, d in zip(layouts, dims, strict=True)
+    ]
     split = [p for p, lo in zip(paths, layouts, strict=True) if lo.tensor_parallel]
     if split and (plan.weight_delta or plan.feedback is not None):
         raise ValueError(

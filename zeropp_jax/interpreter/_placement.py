@@ -480,7 +480,11 @@ def _place_scan(
             vectors.append(i)
         elif moved and not relayout.can_relayout(lo, view.axis):
             # Stored as one row split on the scan's own axis: no device holds a layer's share.
-            where = f"by a scan over its axis {view.axis}, the axis it is stored split on"
+            where = (
+                f"by a scan over its axis {view.axis}, of a leaf stored split over two axes"
+                if lo.two_axis
+                else f"by a scan over its axis {view.axis}, the axis it is stored split on"
+            )
             xs = _materialized(ctx, xs, [i], where)
         elif moved and (lo.tensor_parallel or g.state(x.leaf).residuals):
             # Re-laid out, a layer's residuals would need the same all-to-all, both ways.

@@ -53,8 +53,12 @@ def _kept_axis(stored: part.LeafLayout, axis: int) -> int | None:
 def can_relayout(stored: part.LeafLayout, axis: int) -> bool:
     """Whether `layers_to_front` re-lays out a leaf stored as `stored` for a scan over
     `axis`: a stacked leaf (not split over `model`) for `axis >= 1`; a leaf of rank >= 3
-    stored as one row (`keeps_layers` False) for any axis other than its split axis."""
+    stored as one row (`keeps_layers` False) for any axis other than its split axis. Not a
+    leaf split over two axes (`LeafLayout.two_axis`): a scan over another axis of it
+    gathers it whole."""
     if stored.tensor_parallel or not stored.sharded or len(stored.shape) < 3:
+        return False
+    if stored.two_axis:
         return False
     if stored.stacked:
         return axis >= 1

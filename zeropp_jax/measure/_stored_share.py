@@ -6,7 +6,9 @@ slice of a leaf of rank 3 or more whose axis 0 is kept whole as a layer axis,
 `partition.keeps_layers`) into
 blocks of whole rows, one per device, padding that axis to a multiple of `N`: the first
 axis, unless another pads less and the first more than `RATIO_LIMIT` times
-(`partition.fit_axis`); a tensor-parallel leaf pads each `model` slice's first axis. The
+(`partition.fit_axis`), or, where that pads above `RATIO_LIMIT` and two axes pad less, one
+over the `local` devices and one over the nodes (`partition.fit_grid`); a tensor-parallel
+leaf pads each `model` slice's first axis. The
 master weights, the optimizer moments that mirror them and every gather of the leaf carry
 that padding, so a leaf stored at `r` times its share costs `r` times its share in memory
 and bytes (the ledger counts the padded bytes).
@@ -71,6 +73,15 @@ def padding_reason(layout: LeafLayout, num_devices: int) -> str:
     """Why `layout` stores more than its values, in words."""
     if not layout.sharded:
         return f"not sharded ({layout.dtype}): stored whole on each of {num_devices} devices"
+    if layout.two_axis:
+        (a, pa), (b, pb) = layout.split_axes
+        local, nodes = layout.grid
+        return (
+            f"split over two axes, its axis {a} over {local} 'local' devices and its axis {b} "
+            f"over {nodes} nodes, pads them from {layout.shape[a]} to {pa} and from "
+            f"{layout.shape[b]} to {pb} (no axis of {layout.row_shape} fits {num_devices} "
+            "devices, and no pair of axes fits the mesh: this pair pads least)"
+        )
     axis = layout.axis
     rows, padded = layout.row_shape[axis], layout.padded_rows
     if layout.tensor_parallel:

@@ -361,8 +361,8 @@ def _leaf_plans(meta: dict[str, Any], target: TrainState, want: dict[str, Any]) 
     relayouts = [
         None
         if i is None
-        or (saved[i].model_dim, saved[i].model_size, saved[i].axis, saved[i].stacked)
-        == (layouts[i].model_dim, layouts[i].model_size, layouts[i].axis, layouts[i].stacked)
+        or (saved[i].model_dim, saved[i].model_size, saved[i].split, saved[i].stacked)
+        == (layouts[i].model_dim, layouts[i].model_size, layouts[i].split, layouts[i].stacked)
         else (saved[i], layouts[i])
         for i in owner
     ]
@@ -403,8 +403,7 @@ def _abstract_leaf(
                 f"layout {old.stored_shape}; the checkpoint's metadata is inconsistent."
             )
         spec = part.manual_spec(old)
-        axis = old.padded_axis % len(shape)
-        if shape[axis] % n_dp:
+        if not _divides(shape, old, mesh):
             spec = part.REPLICATED
         return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=NamedSharding(mesh, spec))
     if leaf.flat:
@@ -425,6 +424,16 @@ def _abstract_leaf(
         if shape[axis] % n_dp:
             sharding = NamedSharding(mesh, part.REPLICATED)
     return jax.ShapeDtypeStruct(shape, tgt.dtype, sharding=sharding)
+
+
+def _divides(shape: tuple[int, ...], old: part.LeafLayout, mesh: Mesh) -> bool:
+    """Whether a leaf saved in layout `old`, of `shape`, splits evenly over `mesh` as
+    `old` split it (its split axis over the data-parallel devices; split over two axes,
+    each over its own mesh axis)."""
+    if old.two_axis:
+        a, b = old.padded_axis, old.padded_node_axis
+        return not shape[a] % int(mesh.shape["local"]) and not shape[b] % int(mesh.shape["node"])
+    return not shape[old.padded_axis % len(shape)] % data_parallel_size(mesh)
 
 
 def _abstract_state(
@@ -490,7 +499,7 @@ def _same_split_axes(meta: dict[str, Any], target: TrainState) -> bool:
     """Whether the checkpoint split every leaf on the axis the target splits it on."""
     layouts = target.layouts[1]
     saved = L.saved_layouts(meta, layouts)
-    return all(a.axis == b.axis for a, b in zip(saved, layouts, strict=True))
+    return all(a.split == b.split for a, b in zip(saved, layouts, strict=True))
 
 
 def _refs_match(meta: dict[str, Any], target: TrainState) -> bool:
@@ -568,7 +577,9 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
     old_nn, old_ll = meta["mesh"]["node"], meta["mesh"]["local"]
     old_n = old_nn * old_ll
     version = L.layout_version(meta)
-    old_layouts = tuple(part.with_devices(lo, old_n, version=version) for lo in target.layouts[1])
+    old_layouts = tuple(
+        part.with_devices(lo, old_n, version=version, local_size=old_ll) for lo in target.layouts[1]
+    )
     mass = R.missing_mass(loaded, old_layouts, old_nn, old_ll, flat_stacked=version < 3)
     if version < 3:
         mass = tuple(
@@ -580,7 +591,7 @@ def _restored_residuals(loaded: Any, meta: dict[str, Any], target: TrainState) -
     # Split on another axis here (another device count or layout version): laid out again.
     mass = tuple(
         jax.jit(L.relayout, static_argnums=(1, 2))(m, old, new)
-        if m is not None and old.axis != new.axis and tuple(m.shape) == old.stored_shape
+        if m is not None and old.split != new.split and tuple(m.shape) == old.stored_shape
         else m
         for m, old, new in zip(mass, old_layouts, target.layouts[1], strict=True)
     )

@@ -39,9 +39,12 @@ def view_spec(layout: part.LeafLayout) -> P:
     """How the model-shaped view of a stored leaf is sharded: the axis its stored layout
     splits (`LeafLayout.padded_axis`; a tensor-parallel leaf's first row axis) over the
     data-parallel axes, a tensor-parallel leaf's `model_dim` over `model` (both on one
-    axis, `model` first, when they coincide)."""
+    axis, `model` first, when they coincide); a leaf split over two axes as stored
+    (`part.leaf_spec`)."""
     if not layout.sharded:
         return part.REPLICATED
+    if layout.two_axis:
+        return part.leaf_spec(layout)
     dims: list[Any] = [None] * len(layout.shape)
     row = (1 if layout.stacked else 0) if layout.tensor_parallel else layout.padded_axis
     dims[row] = part.DP_AXES
@@ -72,12 +75,9 @@ def to_view(x: jax.Array, layout: part.LeafLayout, mesh: Mesh) -> jax.Array:
     if not layout.sharded:
         return x
     if not layout.tensor_parallel:
-        axis = layout.padded_axis
-        v = (
-            x
-            if x.shape == layout.shape
-            else jax.lax.slice_in_dim(x, 0, layout.shape[axis], axis=axis)
-        )
+        v = x
+        for axis, _ in layout.split_axes:
+            v = jax.lax.slice_in_dim(v, 0, layout.shape[axis], axis=axis)
     else:
         lead = 1 if layout.stacked else 0
         v = _crop_rows(x, layout, lead + 1)  # (layers?, K, *row_shape)

@@ -78,7 +78,7 @@ REFERENCE_SPEC = P("local")
 `(padded_size,)`, each local rank's secondary shard, the same on every node."""
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 """The stored layout's version (see `with_devices`); checkpoints record it. Version 5
 keeps axis 0 of a leaf of rank >= 3 whole only where that pads no more than splitting the
 whole leaf (`keeps_layers`); version 4 always kept it whole; both split each kept row on
@@ -114,6 +114,11 @@ class LeafLayout:
         axis (`stacked`); False where no axis of a slice along it fits the device count
         and an axis of the whole leaf pads less (`with_devices`, version 5): the whole
         leaf is then one row.
+      node_axis: None, or, for a kept row split over two of its axes (`fit_grid`, version
+        6), the axis of `row_shape` the `node` mesh axis splits; `axis` is then split
+        over `local` alone.
+      grid: with `node_axis`, `(local size, node count)`: the blocks along `axis` and
+        along `node_axis`; None otherwise.
     """
 
     shape: tuple[int, ...]
@@ -124,6 +129,21 @@ class LeafLayout:
     model_size: int = 1
     axis: int = 0
     keeps_layers: bool = True
+    node_axis: int | None = None
+    grid: tuple[int, int] | None = None
+
+    @property
+    def split(self) -> tuple[int, int | None, tuple[int, int] | None]:
+        """`(axis, node_axis, grid)`: which axes the devices split and how; two layouts
+        of a leaf with the same `split` hold the same blocks in the same order, up to
+        padding."""
+        return self.axis, self.node_axis, self.grid
+
+    @property
+    def two_axis(self) -> bool:
+        """Whether each kept row is split over two axes, `local` on `axis` and `node` on
+        `node_axis` (`fit_grid`)."""
+        return self.node_axis is not None
 
     @property
     def tensor_parallel(self) -> bool:
@@ -173,15 +193,24 @@ class LeafLayout:
     @property
     def padded_rows(self) -> int:
         """The length of the kept row's split axis (`row_shape[axis]`) after padding, a
-        multiple of the device count (rank <= 2 without tensor parallelism: `padded`)."""
+        multiple of the device count (rank <= 2 without tensor parallelism: `padded`; split
+        over two axes: a multiple of the `local` size)."""
+        if self.two_axis:
+            return self.padded_row_shape[self.axis]
         if not (self.stacked or self.tensor_parallel):
             return self.padded
         return self.padded // (math.prod(self.row_shape) // self.row_shape[self.axis])
 
     @property
     def padded_row_shape(self) -> tuple[int, ...]:
-        """`row_shape` with its split axis padded (`padded_rows`)."""
+        """`row_shape` with its split axis padded (`padded_rows`); split over two axes,
+        each padded to a multiple of the mesh axis that splits it."""
         shape = list(self.row_shape)
+        if self.two_axis:
+            local, nodes = self.grid
+            shape[self.axis] = -(-shape[self.axis] // local) * local
+            shape[self.node_axis] = -(-shape[self.node_axis] // nodes) * nodes
+            return tuple(shape)
         shape[self.axis] = self.padded_rows
         return tuple(shape)
 
@@ -201,6 +230,25 @@ class LeafLayout:
         if self.tensor_parallel:
             return -1
         return self.axis + (1 if self.stacked else 0)
+
+    @property
+    def padded_node_axis(self) -> int | None:
+        """Split over two axes: the axis of the stored leaf the `node` mesh axis splits
+        (`node_axis`, one further for a stacked leaf); None otherwise."""
+        if not self.two_axis:
+            return None
+        return self.node_axis + (1 if self.stacked else 0)
+
+    @property
+    def split_axes(self) -> tuple[tuple[int, int], ...]:
+        """`(axis of the stored leaf, its padded length)` for each axis the data-parallel
+        devices split: one, or two (`local`'s, then `node`'s)."""
+        if not self.two_axis:
+            return ((self.padded_axis, self.padded_length),)
+        shape = self.stored_shape
+        return ((self.padded_axis, shape[self.padded_axis]),) + (
+            (self.padded_node_axis, shape[self.padded_node_axis]),
+        )
 
     @property
     def padded_length(self) -> int:
@@ -231,15 +279,24 @@ class LeafLayout:
 
     def block_shape(self, num_devices: int) -> tuple[int, ...]:
         """One device's block of one kept row (not tensor-parallel): `padded_row_shape`
-        with the split axis divided by `num_devices`. A device's piece is its block of
+        with the split axis divided by `num_devices` (split over two axes: `axis` by the
+        `local` size, `node_axis` by the node count). A device's piece is its block of
         every kept row, flattened in order."""
         shape = list(self.padded_row_shape)
+        if self.two_axis:
+            local, nodes = self.grid
+            shape[self.axis] //= local
+            shape[self.node_axis] //= nodes
+            return tuple(shape)
         shape[self.axis] //= num_devices
         return tuple(shape)
 
 
-def leaf_layout(path: str, x: Any, num_devices: int) -> LeafLayout:
-    """Layout of one parameter leaf; raises `ValueError` for non-arrays and bad dtypes."""
+def leaf_layout(
+    path: str, x: Any, num_devices: int, *, local_size: int | None = None
+) -> LeafLayout:
+    """Layout of one parameter leaf (`local_size`: see `with_devices`); raises `ValueError`
+    for non-arrays and bad dtypes."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(
             f"parameter {path} is a {type(x).__name__}, not an array; parameters must be "
@@ -259,7 +316,9 @@ def leaf_layout(path: str, x: Any, num_devices: int) -> LeafLayout:
         )
     shape = tuple(int(d) for d in x.shape)
     sharded = bool(is_float and len(shape) >= 1 and math.prod(shape) > 0)
-    return with_devices(LeafLayout(shape, dtype.name, sharded, 0), num_devices)
+    return with_devices(
+        LeafLayout(shape, dtype.name, sharded, 0), num_devices, local_size=local_size
+    )
 
 
 def fit_axis(row_shape: tuple[int, ...], num_devices: int) -> int:
@@ -279,6 +338,28 @@ def pad_ratio(length: int, num_devices: int) -> float:
     return -(-length // num_devices) * num_devices / length
 
 
+def fit_grid(row_shape: tuple[int, ...], grid: tuple[int, int]) -> tuple[int, int, int]:
+    """The split of a kept row over two of its axes on a `(local size, node count)` device
+    grid: `(values stored, the axis `local` splits, the axis `node` splits)`, the pair
+    that pads least (counted in values, so that equal paddings tie exactly; of equals,
+    the first with `node` on the earlier axis); `(0, 0, 0)` for a row of rank 1. A conv
+    kernel's row `(3, 512, 512)` on 128 x 8 devices splits its 512s by 8 and by 128: 1.0x
+    its values, where one axis over 1,024 devices stores 2.0x."""
+    local, nodes = grid
+    size = math.prod(row_shape)
+
+    def stored(i: int, j: int) -> int:
+        a, b = row_shape[i], row_shape[j]
+        return size // a // b * (-(-a // local) * local) * (-(-b // nodes) * nodes)
+
+    pairs = [
+        (stored(i, j), i, j) for i in range(len(row_shape)) for j in range(len(row_shape)) if i != j
+    ]
+    # Of equal paddings, `node` on the earlier axis: a matrix's last axis, along which
+    # rows are quantized in blocks (Muon's int8 gather), is then split inside nodes.
+    return min(pairs, key=lambda p: (p[0], p[2] > p[1]), default=(0, 0, 0))
+
+
 def keeps_layers(shape: tuple[int, ...], num_devices: int) -> bool:
     """Whether a leaf of `shape` (rank >= 3, not tensor-parallel) keeps axis 0 whole as a
     layer axis on `num_devices` devices: unless the axis `fit_axis` picks in one slice
@@ -291,20 +372,37 @@ def keeps_layers(shape: tuple[int, ...], num_devices: int) -> bool:
     return row <= RATIO_LIMIT or whole >= row
 
 
-def view_axis(shape: tuple[int, ...], num_devices: int) -> int:
-    """The axis of a model-shaped leaf of `shape` (not tensor-parallel, rank >= 1) that the
-    stored layout splits over `num_devices` data-parallel devices, counted in the leaf's
-    own axes (`LeafLayout.padded_axis`). Whoever reshards a model-shaped view
-    (`zeropp_jax._distributed_muon`) reads it here rather than from the value's type,
-    which does not carry it under `jax.jit`."""
-    layout = with_devices(LeafLayout(tuple(shape), "float32", True, 0), num_devices)
-    return layout.padded_axis
+def view_split(
+    shape: tuple[int, ...], num_devices: int, local_size: int | None = None
+) -> tuple[int, int]:
+    """`(axis, devices)`: the axis of a model-shaped leaf of `shape` (not tensor-parallel,
+    rank >= 1) that the stored layout splits over the data-parallel devices, counted in
+    the leaf's own axes (`LeafLayout.padded_axis`), and over how many: `num_devices`, or,
+    for a leaf split over two axes (`local_size` given, `fit_grid`), the axis `local`
+    splits and `local_size` (the other axis over the nodes). Whoever reshards a
+    model-shaped view (`zeropp_jax._distributed_muon`) reads it here rather than from the
+    value's type, which does not carry it under `jax.jit`."""
+    layout = with_devices(
+        LeafLayout(tuple(shape), "float32", True, 0), num_devices, local_size=local_size
+    )
+    return layout.padded_axis, (layout.grid[0] if layout.two_axis else num_devices)
 
 
 def with_devices(
-    layout: LeafLayout, num_devices: int, *, version: int = LAYOUT_VERSION
+    layout: LeafLayout,
+    num_devices: int,
+    *,
+    version: int = LAYOUT_VERSION,
+    local_size: int | None = None,
 ) -> LeafLayout:
     """The layout of the same leaf padded for `num_devices` data-parallel devices.
+
+    Version 6 (this one) is version 5 plus one rule: where the axis `fit_axis` picks pads
+    a kept row above `RATIO_LIMIT`, and `local_size` (the mesh's `local` size; None: not
+    known, one axis only) gives a grid of `local_size` x `num_devices / local_size`
+    devices on which two axes of the row pad strictly less (`fit_grid`), the row is split
+    over those two: `local` on one, `node` on the other (`node_axis`), each padded to a
+    multiple of its mesh axis. Not for a tensor-parallel leaf.
 
     Versions 2 to 5 pad whole rows: a kept row (the leaf; one layer of a stacked leaf; one
     `model` slice of a tensor-parallel one) is padded along one axis to a multiple of
@@ -336,9 +434,26 @@ def with_devices(
     axis = fit_axis(layout.row_shape, num_devices) if fits else 0
     rows = layout.row_shape[axis]
     padded = -(-rows // num_devices) * num_devices
+    layout = dataclasses.replace(layout, axis=axis, node_axis=None, grid=None)
+    grid = _grid(num_devices, local_size) if fits and version >= 6 else None
+    if grid is not None and padded / rows > RATIO_LIMIT:
+        values, local_axis, node_axis = fit_grid(layout.row_shape, grid)
+        if 0 < values < padded * (math.prod(layout.row_shape) // rows):
+            two = dataclasses.replace(layout, axis=local_axis, node_axis=node_axis, grid=grid)
+            shape = two.padded_row_shape
+            return dataclasses.replace(
+                two, padded=math.prod(shape) if structured else shape[local_axis]
+            )
     if structured:
         padded *= math.prod(layout.row_shape) // rows
-    return dataclasses.replace(layout, padded=padded, axis=axis)
+    return dataclasses.replace(layout, padded=padded)
+
+
+def _grid(num_devices: int, local_size: int | None) -> tuple[int, int] | None:
+    """`(local size, node count)` where both exceed 1, else None (one axis only)."""
+    if not local_size or num_devices % local_size or not 1 < local_size < num_devices:
+        return None
+    return local_size, num_devices // local_size
 
 
 def with_model_split(
@@ -348,22 +463,24 @@ def with_model_split(
     num_devices: int,
     *,
     version: int = LAYOUT_VERSION,
+    local_size: int | None = None,
 ) -> LeafLayout:
     """The layout of the same leaf split over `model_size` `model` ranks at `model_dim`
     (None, or `model_size` 1: not split), padded for `num_devices` data-parallel devices
-    (`version`: see `with_devices`). The caller has checked that `model_size` divides
+    (`version`, `local_size`: see `with_devices`). The caller has checked that `model_size` divides
     `shape[model_dim]` and that a stacked leaf is not split along its layer axis."""
     if not layout.sharded or model_dim is None or model_size == 1:
         whole = dataclasses.replace(layout, model_dim=None, model_size=1)
-        return with_devices(whole, num_devices, version=version)
+        return with_devices(whole, num_devices, version=version, local_size=local_size)
     split = dataclasses.replace(layout, model_dim=model_dim, model_size=model_size)
-    return with_devices(split, num_devices, version=version)
+    return with_devices(split, num_devices, version=version, local_size=local_size)
 
 
-def param_layouts(params: Any, num_devices: int) -> Any:
-    """Pytree of `LeafLayout`s matching `params`."""
+def param_layouts(params: Any, num_devices: int, *, local_size: int | None = None) -> Any:
+    """Pytree of `LeafLayout`s matching `params` (`local_size`: see `with_devices`)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: leaf_layout(jax.tree_util.keystr(p), x, num_devices), params
+        lambda p, x: leaf_layout(jax.tree_util.keystr(p), x, num_devices, local_size=local_size),
+        params,
     )
 
 
@@ -409,40 +526,80 @@ def from_master(x: jax.Array, layout: LeafLayout, dtype: Any = None) -> jax.Arra
         if layout.tensor_parallel:
             x = _join_model(x[..., : layout.cols], layout, False)
         else:
-            axis = layout.padded_axis
-            x = lax.slice_in_dim(x, 0, layout.shape[axis], axis=axis)
+            for axis, _ in layout.split_axes:
+                x = lax.slice_in_dim(x, 0, layout.shape[axis], axis=axis)
     return x.astype(layout.dtype if dtype is None else dtype)
 
 
 def resize_padding(x: jax.Array, layout: LeafLayout) -> jax.Array:
     """Crops or zero-pads the padded axis of `x` (a stored leaf, e.g. padded for another
-    mesh) to `layout`'s padding."""
-    axis = layout.padded_axis % x.ndim
-    want, have = layout.padded_length, x.shape[axis]
-    if have == want:
-        return x
-    if have > want:
-        return lax.slice_in_dim(x, 0, want, axis=axis)
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, want - have)
-    return jnp.pad(x, pad)
+    mesh; both, split over two axes) to `layout`'s padding."""
+    for axis, want in layout.split_axes:
+        axis %= x.ndim
+        have = x.shape[axis]
+        if have > want:
+            x = lax.slice_in_dim(x, 0, want, axis=axis)
+        elif have < want:
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (0, want - have)
+            x = jnp.pad(x, pad)
+    return x
 
 
 def join_blocks(x: jax.Array, layout: LeafLayout, lead: int) -> jax.Array:
     """Every device's block, `(N, *lead dims, *block_shape)` (`lead` leading axes kept
     whole, e.g. a stacked leaf's layers), -> the padded rows they are blocks of, `(*lead
-    dims, *padded_row_shape)`. Not tensor-parallel."""
+    dims, *padded_row_shape)`. Not tensor-parallel. Split over two axes, the `N` blocks
+    are `(local, node)` in partition order (`local` first): each goes in front of the axis
+    it splits."""
+    if layout.two_axis:
+        return _join_grid(x, layout, lead)
     at = lead + layout.axis
     x = jnp.moveaxis(x, 0, at)
     return x.reshape(*x.shape[:at], x.shape[at] * x.shape[at + 1], *x.shape[at + 2 :])
 
 
+def _join_grid(x: jax.Array, layout: LeafLayout, lead: int) -> jax.Array:
+    """`join_blocks` for a row split over two axes."""
+    local, nodes = layout.grid
+    x = x.reshape(local, nodes, *x.shape[1:])
+    at = {lead + layout.axis: 0, lead + layout.node_axis: 1}
+    perm: list[int] = []
+    for d in range(x.ndim - 2):
+        perm += [at[d], d + 2] if d in at else [d + 2]
+    shape = [
+        n * (local if at.get(d) == 0 else nodes if d in at else 1)
+        for d, n in enumerate(x.shape[2:])
+    ]
+    return jnp.transpose(x, perm).reshape(shape)
+
+
 def split_blocks(x: jax.Array, layout: LeafLayout, lead: int, num_devices: int) -> jax.Array:
     """Inverse of `join_blocks`: `(*lead dims, *padded_row_shape)` -> `(N, *lead dims,
     *block_shape)`."""
+    if layout.two_axis:
+        return _split_grid(x, layout, lead)
     at = lead + layout.axis
     x = x.reshape(*x.shape[:at], num_devices, x.shape[at] // num_devices, *x.shape[at + 1 :])
     return jnp.moveaxis(x, at, 0)
+
+
+def _split_grid(x: jax.Array, layout: LeafLayout, lead: int) -> jax.Array:
+    """`split_blocks` for a row split over two axes."""
+    grid = dict(zip((lead + layout.axis, lead + layout.node_axis), layout.grid, strict=True))
+    shape: list[int] = []
+    front: list[int] = []
+    for d, n in enumerate(x.shape):
+        if d in grid:
+            front.append(len(shape))
+            shape += [grid[d], n // grid[d]]
+        else:
+            shape.append(n)
+    x = x.reshape(shape)
+    local_first = front if layout.axis <= layout.node_axis else front[::-1]
+    rest = [d for d in range(len(shape)) if d not in front]
+    x = jnp.transpose(x, [*local_first, *rest])
+    return x.reshape(-1, *x.shape[2:])
 
 
 def unpiece(
@@ -473,8 +630,8 @@ def unpiece(
     x = join_blocks(
         full.reshape(num_devices, *lead, *layout.block_shape(num_devices)), layout, len(lead)
     )
-    at = len(lead) + layout.axis
-    x = lax.slice_in_dim(x, 0, layout.row_shape[layout.axis], axis=at)
+    for axis in (layout.axis, layout.node_axis) if layout.two_axis else (layout.axis,):
+        x = lax.slice_in_dim(x, 0, layout.row_shape[axis], axis=len(lead) + axis)
     return x.reshape(layout.shape[1:] if layer else layout.shape)
 
 
@@ -541,6 +698,10 @@ def leaf_spec(layout: LeafLayout) -> P:
         return REPLICATED
     if layout.tensor_parallel:
         return P(None, MODEL_AXIS, DP_AXES) if layout.stacked else P(MODEL_AXIS, DP_AXES)
+    if layout.two_axis:
+        dims: list[Any] = [None] * len(layout.stored_shape)
+        dims[layout.padded_axis], dims[layout.padded_node_axis] = DP_AXES
+        return P(*dims)
     return P(*([None] * layout.padded_axis), DP_AXES)
 
 

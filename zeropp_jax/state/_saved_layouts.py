@@ -42,15 +42,17 @@ def saved_layouts(
     meta: dict[str, Any], layouts: tuple[part.LeafLayout, ...]
 ) -> list[part.LeafLayout]:
     """Per parameter leaf (the target's `layouts`), the layout it was saved with: its
-    `model` split, the saved mesh's data-parallel size and the layout version (a checkpoint
-    without `model_split` split nothing)."""
-    dp = int(meta["mesh"].get("node", 1)) * int(meta["mesh"].get("local", 1))
+    `model` split, the saved mesh's data-parallel size (and `local` size, for a row split
+    over two axes) and the layout version (a checkpoint without `model_split` split
+    nothing)."""
+    local = int(meta["mesh"].get("local", 1))
+    dp = int(meta["mesh"].get("node", 1)) * local
     split = meta.get("model_split") or [[None, 1]] * len(layouts)
     version = layout_version(meta)
     out = []
     for lo, (dim, k) in zip(layouts, split, strict=True):
         base = part.LeafLayout(lo.shape, lo.dtype, lo.sharded, 0)
-        out.append(part.with_model_split(base, dim, int(k), dp, version=version))
+        out.append(part.with_model_split(base, dim, int(k), dp, version=version, local_size=local))
     return out
 
 
