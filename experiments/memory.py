@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--summary",
         action="store_true",
-        help="print the RESULTS.md table from the memory_2x4 and memory_16x8 files in --out "
+        help="print the RESULTS.md table from the memory_2x4, memory_16x8 and memory_64x8 "
+        "files in --out "
         "(nothing compiled)",
     )
     p.add_argument(
@@ -376,7 +377,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     if args.summary:
         out = pathlib.Path(args.out)
-        print(summary([out / "memory_2x4.csv", out / "memory_16x8.csv"]))
+        meshes = ("2x4", "16x8", "64x8")
+        print(
+            summary([out / f"memory_{m}.csv" for m in meshes if (out / f"memory_{m}.csv").exists()])
+        )
         return []
     if args.quick:
         args.meshes, args.sizes, args.seq = "2x4", "tiny", 128

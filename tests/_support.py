@@ -6,7 +6,9 @@ the sum of a model's output, and the quantizers' bounds on what it sees and redu
 state (tests/test_plan.py, tests/test_memory.py); running a function on each device's
 slice, random shards and the quantizer's steps (tests/test_collectives.py,
 tests/test_reductions.py, tests/test_reliability.py); one-device gradients in the
-stored layout (tests/test_optimizer_shapes.py, tests/test_distributed_muon.py)."""
+stored layout (tests/test_optimizer_shapes.py, tests/test_distributed_muon.py); a model
+trained sharded beside one device (tests/test_optimizer_shapes.py,
+tests/test_partition.py)."""
 
 from __future__ import annotations
 
@@ -60,6 +62,26 @@ def engine(config: zpp.ZeroPPConfig, mesh_shape: tuple[int, int] = (2, 4)):
         apply_fn=Net().apply, params=params, tx=optax.sgd(0.1), mesh=mesh, config=config
     )
     return state, zpp.shard(train_step, mesh=mesh, config=config)
+
+
+def trained_beside_one_device(
+    model: nn.Module, params: Any, tx: Any, mesh: Any, config: Any, batches: list
+) -> tuple[Any, Any]:
+    """`zpp.shard(train_step)` on `mesh` and `jax.jit(train_step)` on one device, from the
+    same `params`, one step per batch, the losses equal to `rtol` 1e-5 at every step;
+    returns `(sharded state, one-device state)` for the caller to compare the weights."""
+    from flax.training import train_state
+
+    ref = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    state = zpp.TrainState.create(
+        apply_fn=model.apply, params=params, tx=tx, mesh=mesh, config=config
+    )
+    ref_step, step = jax.jit(train_step), zpp.shard(train_step)
+    for b in batches:
+        ref, want = ref_step(ref, b)
+        state, got = step(state, b)
+        np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)
+    return state, ref
 
 
 def regression_batches(n: int, size: int, y_width: int) -> list[dict[str, np.ndarray]]:

@@ -281,21 +281,21 @@ def test_previous_layout_with_shape_reading_optimizer_state_says_how_to_convert(
 
 
 def test_two_axis_leaves_restore_onto_other_grids_with_moments_and_residuals(tmp_path):
-    """A state whose kernels are stored split over two axes on 2 x 4 (`test_partition.Net`:
+    """A state whose kernels are stored split over two axes on 2 x 4 (`test_distributed_muon.Net`:
     `local` on one axis, `node` on the other), with Adam moments and error-feedback
     residuals, saved and restored onto 4 x 2 (the other grid), 1 x 8 (one axis) and 2 x 4:
     parameters and moments exactly, the residuals' missing mass to float summation order,
     and training goes on."""
     from _support import regression_batches
     from _support import train_step as plain_step
-    from test_partition import Net as GridNet
+    from test_distributed_muon import Net as GridNet
 
     from zeropp_jax.state import _residuals as R
 
     config = zpp.ZeroPPConfig(
         weight_bits=None, grad_bits=2, grad_block_size=32, compute_dtype=jnp.float32
     ).replace(error_feedback="all")
-    batches = regression_batches(3, 64, 6)
+    batches = regression_batches(3, 64, 10)
     params = GridNet().init(jax.random.key(0), batches[0]["x"])["params"]
 
     def make(shape):
@@ -325,7 +325,8 @@ def test_two_axis_leaves_restore_onto_other_grids_with_moments_and_residuals(tmp
         ]
 
     state = make((2, 4))
-    assert sum(lo.two_axis for lo in state.layouts[1]) == 3
+    # Its three kernels and the scanned biases, (2, 60): 2 over the nodes, 60 over `local`.
+    assert sum(lo.two_axis for lo in state.layouts[1]) == 4
     step = zpp.shard(plain_step)
     for b in batches[:2]:
         state, _ = step(state, b)

@@ -24,8 +24,10 @@ EXACT = dict(weight_bits=None, grad_bits=None, compute_dtype=jnp.float32)
 
 
 class Net(nn.Module):
-    """Dense(60) and two `nn.scan` blocks of Dense(60) (stacked kernels), Dense(10): every
-    width leaves padding on 8 devices."""
+    """Dense(60) and two `nn.scan` blocks of Dense(60) (stacked kernels), Dense(10): no
+    axis of any kernel fits 8 devices, so each is stored split over two axes on 2 x 4 (a 60
+    over the 4 local devices, the other axis over the 2 nodes; the stacked ones per
+    layer)."""
 
     @nn.compact
     def __call__(self, x):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _support import regression_batches, stored_grads, train_step
+from _support import regression_batches, stored_grads, trained_beside_one_device
 from flax.core import meta
 from flax.training import train_state
 from optax.contrib import MuonDimensionNumbers
@@ -155,20 +155,8 @@ def test_end_to_end_on_the_scanned_model_matches_one_device(opt):
     model = Net(unrolled=0)
     data = regression_batches(3, 64, 10)
     params = model.init(jax.random.key(1), data[0]["x"])["params"]
-    tx = OPTIMIZERS[opt]()
-    ref = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    state = zpp.TrainState.create(
-        apply_fn=model.apply,
-        params=params,
-        tx=tx,
-        mesh=zpp.make_mesh(2, 4),
-        config=zpp.ZeroPPConfig(**EXACT),
-    )
-    ref_step, step = jax.jit(train_step), zpp.shard(train_step)
-    for b in data:
-        ref, want = ref_step(ref, b)
-        state, got = step(state, b)
-        np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)
+    mesh, config = zpp.make_mesh(2, 4), zpp.ZeroPPConfig(**EXACT)
+    state, ref = trained_beside_one_device(model, params, OPTIMIZERS[opt](), mesh, config, data)
     for (path, g), w in zip(
         jax.tree_util.tree_leaves_with_path(zpp.gather_params(state)),
         jax.tree_util.tree_leaves(ref.params),

@@ -4,14 +4,13 @@ exactly as one device does."""
 
 import warnings
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _support import regression_batches, train_step
-from flax.training import train_state
+from _support import regression_batches, trained_beside_one_device
+from test_distributed_muon import Net
 
 import zeropp_jax as zpp
 from zeropp_jax.measure import _stored_share as stored_share
@@ -92,25 +91,6 @@ def test_a_leaf_above_the_limit_on_two_axes_is_named_with_both():
     assert "two axes" in reason and "from 3 to 4" in reason
 
 
-class Net(nn.Module):
-    """Widths no axis of which fits 8 devices (10, 60, 6): every kernel is stored split over
-    two axes on 2 x 4; the scanned blocks' stacked kernels are split per layer."""
-
-    @nn.compact
-    def __call__(self, x):
-        h = jnp.tanh(nn.Dense(60)(x))
-
-        class Block(nn.Module):
-            @nn.compact
-            def __call__(self, h, _):
-                return jnp.tanh(nn.Dense(60)(h)), None
-
-        h, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()(
-            h, None
-        )
-        return nn.Dense(6)(h)
-
-
 @pytest.mark.parametrize(
     "config",
     [
@@ -123,25 +103,19 @@ def test_two_axis_leaves_train_as_one_device(config):
     """Three unquantized steps of `zpp.shard` on 2 x 4 against `jax.jit` on one device:
     every kernel split over two axes, the scanned ones gathered a layer at a time; with
     and without hpZ's secondary shard."""
-    data = regression_batches(3, 64, 6)
+    data = regression_batches(3, 64, 10)
     model = Net()
     params = model.init(jax.random.key(1), data[0]["x"])["params"]
     tx = optax.adamw(1e-3, weight_decay=0.1)
     mesh = zpp.make_mesh(2, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error", stored_share.StoredAboveShareWarning)
-        state = zpp.TrainState.create(
-            apply_fn=model.apply, params=params, tx=tx, mesh=mesh, config=zpp.ZeroPPConfig(**config)
+        state, ref = trained_beside_one_device(
+            model, params, tx, mesh, zpp.ZeroPPConfig(**config), data
         )
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
     kernels = [lo for p, lo in zip(paths, state.layouts[1], strict=True) if "kernel" in p]
     assert len(kernels) == 3 and all(lo.two_axis for lo in kernels)
-    ref = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    ref_step, step = jax.jit(train_step), zpp.shard(train_step)
-    for b in data:
-        ref, want = ref_step(ref, b)
-        state, got = step(state, b)
-        np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)
     for (path, g), w in zip(
         jax.tree_util.tree_leaves_with_path(zpp.gather_params(state)),
         jax.tree_util.tree_leaves(ref.params),
