@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from zeropp_jax import _references as references
 from zeropp_jax import make_mesh
+from zeropp_jax.state import _blocks as blocks
 from zeropp_jax.state import _checkpoint as checkpoint
 from zeropp_jax.state import _partition as part
 from zeropp_jax.wire import _delta as D
@@ -142,7 +143,7 @@ def make_state(config, mesh_shape=(2, 4), lr=0.05, tx=None, model=None):
 
 def from_pieces(r, lo, n):
     """A reference (pieces) in the parameter's original shape."""
-    return part.from_master(part.pieces_to_stored(r, lo, n), lo, np.float32)
+    return part.from_master(blocks.pieces_to_stored(r, lo, n), lo, np.float32)
 
 
 def node_copies(ref):
@@ -173,7 +174,7 @@ def test_engine_sender_and_receivers_agree_and_reference_tracks_the_weights(mode
                     np.testing.assert_array_equal(c, copies[0])
             # Closed loop: every piece is within half a step of its last delta.
             lo = state.layouts[1][i]
-            w = np.asarray(part.stored_to_pieces(params[i], lo, n))
+            w = np.asarray(blocks.stored_to_pieces(params[i], lo, n))
             r = np.asarray(ref)
             rows = w.shape[0] // n
             for p in range(n):

@@ -15,6 +15,7 @@ from zeropp_jax.interpreter._leaf_gathers import (
     per_leaf,
     residuals_per_leaf,
 )
+from zeropp_jax.state import _blocks as blocks
 from zeropp_jax.state import _partition as part
 
 
@@ -61,7 +62,7 @@ def test_leaf_state_cuts_its_reference_and_residuals_to_a_layer_and_is_a_pytree(
     bare = LeafState(key=None, ref=None, residuals=(), layout=layout, num_devices=8)
     assert state.has_reference and not bare.has_reference
     got = state.layer(1)
-    np.testing.assert_array_equal(got.ref, part.layer_of_pieces(state.ref, 3, piece, 1))
+    np.testing.assert_array_equal(got.ref, blocks.layer_of_pieces(state.ref, 3, piece, 1))
     assert got.key is state.key and got.layout == layout and got.residuals == ()
     assert bare.layer(1).ref is None and bare.layer(1).residuals == ()
     leaves, treedef = jax.tree_util.tree_flatten(state)
@@ -69,7 +70,7 @@ def test_leaf_state_cuts_its_reference_and_residuals_to_a_layer_and_is_a_pytree(
     # Residuals of a stacked leaf: per-device pieces of the whole leaf, cut like the reference.
     hop1 = jnp.arange(8 * 3 * piece, dtype=jnp.float32)  # every device's piece
     fed = _stack_state((hop1, None)).layer(2)
-    np.testing.assert_array_equal(fed.residuals[0], part.layer_of_pieces(hop1, 3, piece, 2))
+    np.testing.assert_array_equal(fed.residuals[0], blocks.layer_of_pieces(hop1, 3, piece, 2))
     assert fed.residuals[1] is None
 
 

@@ -14,6 +14,7 @@ from test_distributed_muon import Net
 
 import zeropp_jax as zpp
 from zeropp_jax.measure import _stored_share as stored_share
+from zeropp_jax.state import _blocks as blocks
 from zeropp_jax.state import _partition as part
 
 
@@ -69,7 +70,7 @@ def test_each_device_holds_the_block_its_piece_says(shape, nodes, local):
     stored = part.to_master(x, lo)
     assert stored.shape == lo.stored_shape
     np.testing.assert_array_equal(np.asarray(part.from_master(stored, lo)), x)
-    pieces = np.asarray(part.stored_to_pieces(stored, lo, n)).reshape(n, -1)
+    pieces = np.asarray(blocks.stored_to_pieces(stored, lo, n)).reshape(n, -1)
     placed = jax.device_put(stored, jax.sharding.NamedSharding(mesh, part.leaf_spec(lo)))
     ids = {d: (i, j) for (i, j), d in np.ndenumerate(mesh.devices)}  # (node, local)
     for shard in placed.addressable_shards:
@@ -80,8 +81,8 @@ def test_each_device_holds_the_block_its_piece_says(shape, nodes, local):
             np.asarray(shard.data).reshape(-1), pieces[loc * nodes + node]
         )
     flat = pieces.reshape(-1)
-    np.testing.assert_array_equal(np.asarray(part.unpiece(jnp.asarray(flat), lo, n)), x)
-    np.testing.assert_array_equal(np.asarray(part.pieces_to_stored(flat, lo, n)), stored)
+    np.testing.assert_array_equal(np.asarray(blocks.unpiece(jnp.asarray(flat), lo, n)), x)
+    np.testing.assert_array_equal(np.asarray(blocks.pieces_to_stored(flat, lo, n)), stored)
 
 
 def test_a_leaf_above_the_limit_on_two_axes_is_named_with_both():

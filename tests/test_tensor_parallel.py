@@ -17,6 +17,7 @@ import zeropp_jax as zpp
 from zeropp_jax import _mesh as mesh_lib
 from zeropp_jax import _tensor_parallel as tensor_parallel
 from zeropp_jax import baselines
+from zeropp_jax.state import _blocks as blocks
 from zeropp_jax.state import _partition as part
 from zeropp_jax.train.model import GPT, GPTConfig, init_fn, init_params, loss_fn
 from zeropp_jax.wire.quant import qmax
@@ -58,12 +59,12 @@ def test_layout_round_trips_and_pieces_gather_back(shape, dim, k):
     width = lo.padded // n
     shards = [stored[..., i * width : (i + 1) * width] for i in range(n)]
     # What the collectives return: every device's piece, along the values axis.
-    full = jnp.concatenate([part.piece(s, lo) for s in shards], axis=1)
-    np.testing.assert_array_equal(part.unpiece(full, lo, n), x)
+    full = jnp.concatenate([blocks.piece(s, lo) for s in shards], axis=1)
+    np.testing.assert_array_equal(blocks.unpiece(full, lo, n), x)
     if lo.stacked:
         for layer in range(shape[0]):
             one = jnp.concatenate([s[layer] for s in shards], axis=1)
-            np.testing.assert_array_equal(part.unpiece(one, lo, n, layer=True), x[layer])
+            np.testing.assert_array_equal(blocks.unpiece(one, lo, n, layer=True), x[layer])
 
 
 # ----------------------------------------------------------------------------- mesh

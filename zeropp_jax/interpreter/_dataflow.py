@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zeropp_jax import _tensor_parallel as tensor_parallel
+from zeropp_jax.state import _blocks as blocks
 from zeropp_jax.state import _partition as part
 
 
@@ -136,5 +137,5 @@ def first_array(xs: Sequence[Any]) -> Any:
 def unpiece_layer(g: Gathers, layout: part.LeafLayout, flat: jax.Array) -> jax.Array:
     """One layer of a stacked leaf stored as `layout`, gathered, in its per-layer shape."""
     return tensor_parallel.place_gathered(
-        part.unpiece(flat, layout, g.num_devices, True), layout, layer=True
+        blocks.unpiece(flat, layout, g.num_devices, True), layout, layer=True
     )

@@ -31,6 +31,7 @@ from zeropp_jax.interpreter._leaf_gathers import (
     per_leaf,
     residuals_per_leaf,
 )
+from zeropp_jax.state import _blocks as blocks
 from zeropp_jax.state import _partition as part
 from zeropp_jax.state import _residuals as R
 from zeropp_jax.wire.kernels import shard_map_mesh
@@ -260,7 +261,7 @@ class _Island:
     ):
         """The per-device program: the model run with its weights placed (`placement`)."""
         layouts = self.leaf_layouts
-        p = [part.island_shard(x, lo) for x, lo in zip(p, layouts, strict=True)]
+        p = [blocks.island_shard(x, lo) for x, lo in zip(p, layouts, strict=True)]
         if self.plan.check_vma:
             # A reference is the same on every node; marked node-invariant, it would
             # make the weight invariant too, and autodiff would psum the weight's

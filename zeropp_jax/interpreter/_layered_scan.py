@@ -27,6 +27,7 @@ from jax import lax
 
 from zeropp_jax.interpreter import _dataflow as dataflow
 from zeropp_jax.interpreter import _jaxpr_compat as jaxpr_compat
+from zeropp_jax.state import _blocks as blocks
 from zeropp_jax.state import _partition as part
 
 
@@ -101,7 +102,7 @@ class Loop:
             piece = self.gathers.layout(leaf).padded // self.gathers.num_devices
 
             def back(a, order=order, piece=piece):
-                return part.pieces_of_layers(a if order is None else a[order], piece)
+                return blocks.pieces_of_layers(a if order is None else a[order], piece)
 
             out.append(jax.tree_util.tree_map(back, stacks))
         return out

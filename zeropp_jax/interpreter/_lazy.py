@@ -21,7 +21,7 @@ class Lazy:
 
     Attributes:
       leaf: parameter leaf index.
-      shard: the per-device shard as the island holds it (`partition.island_shard`:
+      shard: the per-device shard as the island holds it (`_blocks.island_shard`:
         `(lead, C / N)` or `(C / N,)`).
       aval: the abstract value this stands for (after `chain`).
       chain: layout-only equations `(primitive, params)` to apply after gathering.

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from zeropp_jax import _tensor_parallel as tensor_parallel
 from zeropp_jax.interpreter import _dataflow as dataflow
 from zeropp_jax.interpreter import _relayout as relayout
+from zeropp_jax.state import _blocks as blocks
 from zeropp_jax.state import _partition as part
 from zeropp_jax.wire import _weight_gather as weight_gather
 from zeropp_jax.wire import reductions
@@ -87,11 +88,11 @@ class LeafState:
     def layer(self, i: Any) -> LeafState:
         """What the gather and reduction of layer `i` (traced; along axis 0 of the stack
         `layout` describes) read: the reference and residuals cut to that layer's pieces
-        (`partition.layer_of_pieces`); the key as is (the reduction folds the layer in)."""
+        (`_blocks.layer_of_pieces`); the key as is (the reduction folds the layer in)."""
         piece = self.layout.padded // self.num_devices
 
         def cut(x: jax.Array) -> jax.Array:
-            return part.layer_of_pieces(x, self.layout.lead, piece, i)
+            return blocks.layer_of_pieces(x, self.layout.lead, piece, i)
 
         ref = None if self.ref is None else cut(self.ref)
         return dataclasses.replace(

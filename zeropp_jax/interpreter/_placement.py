@@ -65,7 +65,7 @@ from zeropp_jax.interpreter import _relayout as relayout
 from zeropp_jax.interpreter import _use_vjp as use_vjp
 from zeropp_jax.interpreter._jaxpr_reads import CHAIN_PRIMITIVES, count_uses
 from zeropp_jax.interpreter._lazy import Lazy
-from zeropp_jax.state import _partition as part
+from zeropp_jax.state import _blocks as blocks
 from zeropp_jax.wire._weight_gather import SECONDARY_NAME
 
 WHOLE_SCOPE = "zeropp_whole_gather"
@@ -95,7 +95,7 @@ class Context:
 
 def _full_weight(g: dataflow.Gathers, lz: Lazy, flat: jax.Array) -> jax.Array:
     layout = g.layout(lz.leaf)
-    full = tensor_parallel.place_gathered(part.unpiece(flat, layout, g.num_devices), layout)
+    full = tensor_parallel.place_gathered(blocks.unpiece(flat, layout, g.num_devices), layout)
     return dataflow.apply_chain(full, lz.chain)
 
 
@@ -331,7 +331,7 @@ def _at_use(
         return d_pieces, list(d_acts), d_states, d_tie
 
     use.defvjp(use_fwd, use_bwd)
-    pieces = [part.piece(lz.shard, g.layout(lz.leaf)) for lz in lazies]
+    pieces = [blocks.piece(lz.shard, g.layout(lz.leaf)) for lz in lazies]
     return use(pieces, acts, [g.state(leaf) for leaf in leaves], tie)
 
 
@@ -354,7 +354,7 @@ def _shared(
         with jax.named_scope(scope) if scope else contextlib.nullcontext():
             pieces = [
                 dataflow.tie(
-                    ctx.tie, part.piece(shard[leaf], g.layout(leaf)), barrier=g.barrier_ties
+                    ctx.tie, blocks.piece(shard[leaf], g.layout(leaf)), barrier=g.barrier_ties
                 )
                 for leaf in new
             ]
@@ -387,7 +387,7 @@ def _at_shared_use(
     per_use = [leaf in ctx.per_use for leaf in leaves]
     flats = [lax.stop_gradient(f) if u else f for f, u in zip(flats, per_use, strict=True)]
     own = [
-        part.piece(lz.shard, g.layout(lz.leaf)) if u else None
+        blocks.piece(lz.shard, g.layout(lz.leaf)) if u else None
         for lz, u in zip(lazies, per_use, strict=True)
     ]
     # Each reduction of a leaf reduced per use draws its own stochastic-rounding noise.
@@ -479,12 +479,8 @@ def _place_scan(
             # loop, together below (their gradients share a reduction).
             vectors.append(i)
         elif moved and not relayout.can_relayout(lo, view.axis):
-            # Stored as one row split on the scan's own axis: no device holds a layer's share.
-            where = (
-                f"by a scan over its axis {view.axis}, of a leaf stored split over two axes"
-                if lo.two_axis
-                else f"by a scan over its axis {view.axis}, the axis it is stored split on"
-            )
+            tail = "a leaf split over two axes" if lo.two_axis else "the axis it is stored split on"
+            where = f"by a scan over its axis {view.axis}, {tail}"
             xs = _materialized(ctx, xs, [i], where)
         elif moved and (lo.tensor_parallel or g.state(x.leaf).residuals):
             # Re-laid out, a layer's residuals would need the same all-to-all, both ways.

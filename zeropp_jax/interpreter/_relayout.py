@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from zeropp_jax.state import _blocks as blocks
 from zeropp_jax.state import _partition as part
 
 
@@ -118,7 +119,7 @@ def layers_to_front(shard: jax.Array, stored: part.LeafLayout, axis: int) -> jax
     x = jnp.pad(shard, ((0, rows * n - shape[0]), (0, 0))).reshape(n, rows, shard.shape[1])
     # Block j of rows goes to device j; device j receives every device's column piece.
     x = lax.all_to_all(x, axes, 0, 0, tiled=True)
-    x = part.join_blocks(x.reshape(n, rows, *stored.block_shape(n)), stored, 1)
+    x = blocks.join_blocks(x.reshape(n, rows, *stored.block_shape(n)), stored, 1)
     x = lax.slice_in_dim(x, 0, stored.row_shape[stored.axis], axis=1 + stored.axis)
     x = jnp.moveaxis(x, axis, 0)
     return x.reshape(shape[axis], -1)
@@ -174,7 +175,7 @@ def reference_to_front(
     x = lax.all_to_all(x, local_axis, 1, 1, tiled=True)
     # Per target node: the rows of its block, column blocks in partition order (l, n').
     x = jnp.transpose(x, (2, 3, 1, 0, 4)).reshape(nn, rows, n, *stored.block_shape(n))
-    x = part.join_blocks(jnp.moveaxis(x, 2, 0), stored, 2)
+    x = blocks.join_blocks(jnp.moveaxis(x, 2, 0), stored, 2)
     x = lax.slice_in_dim(x, 0, stored.row_shape[stored.axis], axis=2 + stored.axis)
     x = jnp.moveaxis(x, axis + 1, 1)
     return x.reshape(-1)

@@ -26,7 +26,7 @@ A float leaf is cast to float32 (the master copy) and sharded over all `N` devic
   padded axis, per device, and no reshape at all when `N` divides it: the optimizer
   updates the stored arrays in place. Inside the island a device's shard is flattened per
   layer, `(d0, C / N)` (`C` the padded row's values); a gathered leaf's pieces are put back
-  in place along the split axis (`join_blocks`).
+  in place along the split axis (`zeropp_jax.state._blocks.join_blocks`).
 
 A stacked leaf's per-layer vectors (biases, norm scales: `(layers, width)`, rank 2) have
 the rank-2 layout: they are small, and a scan gathers them whole (see `placement`).
@@ -43,7 +43,7 @@ back in its original shape, is split over `model` at `model_dim`.
 
 Each device's shard, flattened, is the *piece* the collectives gather and reduce; a
 gathered leaf, every device's piece in partition order, is turned back into the original
-shape by `unpiece`. Padding stays exactly zero: its gradient
+shape by `_blocks.unpiece`. Padding stays exactly zero: its gradient
 is zero, and so is every optimizer update of a zero parameter with a zero gradient. Float
 scalars and non-float leaves (counters, int tables) are replicated and never quantized.
 """
@@ -498,7 +498,7 @@ def _split_model(x: jax.Array, layout: LeafLayout, lead: int) -> jax.Array:
     return x.reshape(*x.shape[: lead + 1], -1)
 
 
-def _join_model(x: jax.Array, layout: LeafLayout, layer: bool) -> jax.Array:
+def join_model(x: jax.Array, layout: LeafLayout, layer: bool) -> jax.Array:
     """Inverse of `_split_model`: `(K, slice values)` (or `(layers, K, ...)` for a whole
     stacked leaf; `layer`: one layer) -> the original (or one layer's) shape."""
     lead = 1 if layout.stacked and not layer else 0
@@ -524,7 +524,7 @@ def from_master(x: jax.Array, layout: LeafLayout, dtype: Any = None) -> jax.Arra
     """Stored leaf -> original shape, in `dtype` (default: the original dtype)."""
     if layout.sharded:
         if layout.tensor_parallel:
-            x = _join_model(x[..., : layout.cols], layout, False)
+            x = join_model(x[..., : layout.cols], layout, False)
         else:
             for axis, _ in layout.split_axes:
                 x = lax.slice_in_dim(x, 0, layout.shape[axis], axis=axis)
@@ -544,152 +544,6 @@ def resize_padding(x: jax.Array, layout: LeafLayout) -> jax.Array:
             pad[axis] = (0, want - have)
             x = jnp.pad(x, pad)
     return x
-
-
-def join_blocks(x: jax.Array, layout: LeafLayout, lead: int) -> jax.Array:
-    """Every device's block, `(N, *lead dims, *block_shape)` (`lead` leading axes kept
-    whole, e.g. a stacked leaf's layers), -> the padded rows they are blocks of, `(*lead
-    dims, *padded_row_shape)`. Not tensor-parallel. Split over two axes, the `N` blocks
-    are `(local, node)` in partition order (`local` first): each goes in front of the axis
-    it splits."""
-    if layout.two_axis:
-        return _join_grid(x, layout, lead)
-    at = lead + layout.axis
-    x = jnp.moveaxis(x, 0, at)
-    return x.reshape(*x.shape[:at], x.shape[at] * x.shape[at + 1], *x.shape[at + 2 :])
-
-
-def _join_grid(x: jax.Array, layout: LeafLayout, lead: int) -> jax.Array:
-    """`join_blocks` for a row split over two axes."""
-    local, nodes = layout.grid
-    x = x.reshape(local, nodes, *x.shape[1:])
-    at = {lead + layout.axis: 0, lead + layout.node_axis: 1}
-    perm: list[int] = []
-    for d in range(x.ndim - 2):
-        perm += [at[d], d + 2] if d in at else [d + 2]
-    shape = [
-        n * (local if at.get(d) == 0 else nodes if d in at else 1)
-        for d, n in enumerate(x.shape[2:])
-    ]
-    return jnp.transpose(x, perm).reshape(shape)
-
-
-def split_blocks(x: jax.Array, layout: LeafLayout, lead: int, num_devices: int) -> jax.Array:
-    """Inverse of `join_blocks`: `(*lead dims, *padded_row_shape)` -> `(N, *lead dims,
-    *block_shape)`."""
-    if layout.two_axis:
-        return _split_grid(x, layout, lead)
-    at = lead + layout.axis
-    x = x.reshape(*x.shape[:at], num_devices, x.shape[at] // num_devices, *x.shape[at + 1 :])
-    return jnp.moveaxis(x, at, 0)
-
-
-def _split_grid(x: jax.Array, layout: LeafLayout, lead: int) -> jax.Array:
-    """`split_blocks` for a row split over two axes."""
-    grid = dict(zip((lead + layout.axis, lead + layout.node_axis), layout.grid, strict=True))
-    shape: list[int] = []
-    front: list[int] = []
-    for d, n in enumerate(x.shape):
-        if d in grid:
-            front.append(len(shape))
-            shape += [grid[d], n // grid[d]]
-        else:
-            shape.append(n)
-    x = x.reshape(shape)
-    local_first = front if layout.axis <= layout.node_axis else front[::-1]
-    rest = [d for d in range(len(shape)) if d not in front]
-    x = jnp.transpose(x, [*local_first, *rest])
-    return x.reshape(-1, *x.shape[2:])
-
-
-def unpiece(
-    full: jax.Array, layout: LeafLayout, num_devices: int, layer: bool = False
-) -> jax.Array:
-    """A gathered leaf in piece order -> its original shape (per device, inside shard_map).
-
-    Args:
-      full: `(num_devices * piece,)`, every device's piece in partition order (what the
-        collectives return for a flattened shard).
-      layout: the leaf's layout.
-      num_devices: devices the leaf is sharded over.
-      layer: `full` is one slice along axis 0 of a stacked leaf (a scan's layer) rather
-        than the whole leaf.
-
-    Returns:
-      The leaf in its original shape (`layout.shape[1:]` for a layer). A tensor-parallel
-      leaf's `full` is `(K, num_devices * piece)`, one row per `model` slice.
-    """
-    if layout.tensor_parallel:
-        k = layout.model_size
-        if layout.stacked and not layer:
-            x = full.reshape(k, num_devices, layout.lead, layout.padded // num_devices)
-            x = jnp.swapaxes(x, 1, 2).reshape(k, layout.lead, layout.padded)
-            return _join_model(jnp.swapaxes(x[..., : layout.cols], 0, 1), layout, False)
-        return _join_model(full[:, : layout.cols], layout, layer)
-    lead = (layout.lead,) if layout.stacked and not layer else ()
-    x = join_blocks(
-        full.reshape(num_devices, *lead, *layout.block_shape(num_devices)), layout, len(lead)
-    )
-    for axis in (layout.axis, layout.node_axis) if layout.two_axis else (layout.axis,):
-        x = lax.slice_in_dim(x, 0, layout.row_shape[axis], axis=len(lead) + axis)
-    return x.reshape(layout.shape[1:] if layer else layout.shape)
-
-
-def piece(shard: jax.Array, layout: LeafLayout) -> jax.Array:
-    """A device's stored shard -> the piece its collectives gather (per device, inside
-    shard_map): flattened, or, tensor-parallel, `(K, values)` with the `model` axis kept
-    first (a stacked leaf's layers moved behind it)."""
-    if not layout.tensor_parallel:
-        return shard.reshape(-1)
-    if shard.ndim == 3:
-        shard = jnp.swapaxes(shard, 0, 1)
-    return shard.reshape(shard.shape[0], -1)
-
-
-def pieces_to_stored(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
-    """`(padded_size,)` in piece order (a reference, a missing mass) -> the stored shape.
-    A tensor-parallel leaf's pieces are `(K, values)`: reshaped as they are."""
-    if layout.tensor_parallel:
-        return x.reshape(layout.stored_shape)
-    lead = (layout.lead,) if layout.stacked else ()
-    blocks = x.reshape(num_devices, *lead, *layout.block_shape(num_devices))
-    return join_blocks(blocks, layout, len(lead))
-
-
-def island_shard(shard: jax.Array, layout: LeafLayout) -> jax.Array:
-    """A device's stored shard as the island works on it (per device, inside shard_map): a
-    stacked leaf's `(layers, padded rows / N, ...)` flattened per layer, `(layers, C / N)`
-    (a bitcast); every other shard as it is."""
-    if layout.stacked and not layout.tensor_parallel:
-        return shard.reshape(shard.shape[0], -1)
-    return shard
-
-
-def stored_to_pieces(x: jax.Array, layout: LeafLayout, num_devices: int) -> jax.Array:
-    """Inverse of `pieces_to_stored`."""
-    if layout.tensor_parallel:
-        return x.reshape(-1)
-    lead = 1 if layout.stacked else 0
-    return split_blocks(x, layout, lead, num_devices).reshape(-1)
-
-
-def layer_of_pieces(x: jax.Array, layers: int, piece: int, layer: Any) -> jax.Array:
-    """One layer's values of per-device pieces of a stacked leaf laid end to end.
-
-    A stacked leaf's piece holds its `layers` per-layer pieces of `piece` values one after
-    another (`(layers, piece)` flattened); `x` is `k` such pieces, `(k * layers * piece,)`
-    (a gathered leaf, a gradient residual). Returns that layer's `(k * piece,)`: its piece
-    of each of the `k`, in order, what the same values of the one layer would be. Per
-    device, inside shard_map; `layer` may be traced.
-    """
-    per = x.reshape(-1, layers, piece)
-    return lax.dynamic_index_in_dim(per, layer, axis=1, keepdims=False).reshape(-1)
-
-
-def pieces_of_layers(stack: jax.Array, piece: int) -> jax.Array:
-    """Inverse of `layer_of_pieces` over all layers: `(layers, k * piece)`, each layer's
-    values in order, -> `(k * layers * piece,)`."""
-    return jnp.swapaxes(stack.reshape(stack.shape[0], -1, piece), 0, 1).reshape(-1)
 
 
 def leaf_spec(layout: LeafLayout) -> P:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from zeropp_jax.state import _blocks as blocks
 from zeropp_jax.state import _partition as part
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ def missing_mass(
             return jnp.swapaxes(total.reshape(n, lo.lead, lo.padded // n), 0, 1).reshape(
                 lo.lead, lo.padded
             )
-        return part.pieces_to_stored(total, lo, n)
+        return blocks.pieces_to_stored(total, lo, n)
 
     out: list[jax.Array | None] = []
     for i, lo in enumerate(leaf_layouts):
@@ -172,7 +173,7 @@ def respread(
     out: dict[str, list[jax.Array | None]] = {k: list(v) for k, v in fresh.items()}
 
     def spread(lo: part.LeafLayout, m: jax.Array) -> jax.Array:
-        m = part.stored_to_pieces(part.resize_padding(m, lo), lo, n)
+        m = blocks.stored_to_pieces(part.resize_padding(m, lo), lo, n)
         size = lo.padded_size
         if hop1:
             return jnp.broadcast_to(m / n, (n, size)).reshape(n * size)
