@@ -79,12 +79,20 @@ def test_without_remat_the_backward_recomputes_nothing():
     assert flops["full"] - flops["none"] >= 2 * (2 * rows * WIDTH * 2 * WIDTH), flops
 
 
-def test_prefetch_holds_about_the_next_layer_not_the_peeled_layer_s_recompute():
-    """With prefetch the backward loop's last layer runs after the loop (`pipelined`). Its
-    kept values wait for the cotangent reaching it: else XLA recomputes that layer's
-    forward from them before the loop and holds it through every other layer's backward,
-    and prefetch costs more than 1.75 layers of gathered weights here. With the wait it
-    costs less: the next layer's weights and their wire."""
+@pytest.mark.parametrize(
+    "config", [zpp.ZeroPPConfig.zero3, zpp.ZeroPPConfig], ids=["zero3", "zeropp"]
+)
+def test_prefetch_holds_about_the_next_layer_not_the_peeled_layer_s_recompute(config):
+    """With prefetch the backward loop's last layer runs after the loop (`pipelined`), and
+    prefetch costs about the next layer's weights and their wire, under 1.25 layers of
+    gathered weights here. Two things hold it there:
+    - the peeled layer's kept values wait for the cotangent reaching it: else XLA
+      recomputes that layer's forward from them before the loop and holds it through
+      every other layer's backward (more than 1.75 layers);
+    - on XLA:CPU the peeled layer runs in a `lax.cond` branch: else the attention's zero
+      accumulators and the mask's fill that its recompute builds from constants are built
+      at the step's start, shared with the forward's peeled layer, and held through the
+      backward loop (1.43 layers)."""
     from _support import XLA_DEFAULTS, gpt_step_temp
 
     from zeropp_jax.train.model import GPTConfig
@@ -94,11 +102,11 @@ def test_prefetch_holds_about_the_next_layer_not_the_peeled_layer_s_recompute():
         remat="full", attn_chunk=64,
     )  # fmt: skip
     temp = {
-        prefetch: gpt_step_temp(cfg, zpp.ZeroPPConfig.zero3(prefetch=prefetch), XLA_DEFAULTS)
+        prefetch: gpt_step_temp(cfg, config(prefetch=prefetch), XLA_DEFAULTS)
         for prefetch in (False, True)
     }
     layer = 12 * cfg.d_model**2 * 2  # one layer's gathered bfloat16 weights
-    assert temp[True] - temp[False] < 1.75 * layer, (temp, layer)
+    assert temp[True] - temp[False] < 1.25 * layer, (temp, layer)
 
 
 # ----------------------------------------------------------------------------- placement

@@ -42,11 +42,17 @@ class Gathers(Protocol):
     schedules every block's recompute gathers early and held every block's (a 4-layer
     GPT, unscanned: 33.8 -> 48.1 MB of temporaries, RESULTS "Unscanned blocks under
     remat"), so CPU programs gather again.
+    `peel_in_branch`: whether the backward loop's peeled last layer, where the body
+    recomputes, runs inside a `lax.cond` (`layered_scan.pipelined`). XLA:CPU builds that
+    layer's constant broadcasts at the step's start and holds them through the backward
+    loop; in a branch they are built when it runs. GPU programs keep it inline (XLA:GPU
+    reads a conditional's predicate on the host).
     """
 
     num_devices: int
     barrier_ties: bool
     hold_recomputed: bool
+    peel_in_branch: bool
 
     def layout(self, leaf: int) -> part.LeafLayout: ...
     def name(self, leaf: int) -> str: ...

@@ -250,6 +250,7 @@ class _Island:
             check_vma=plan.check_vma,
             barrier_ties=plan.platform == "gpu",
             hold_recomputed=plan.platform == "gpu",
+            peel_in_branch=plan.platform == "cpu",
             states=tuple(
                 LeafState(k, ref, r, lo, plan.num_devices)
                 for k, ref, r, lo in zip(keys, refs, res, layouts, strict=True)

@@ -127,6 +127,7 @@ def pipelined(
     length: int,
     lookahead: int,
     reverse: bool,
+    branch: bool = False,
 ) -> tuple[Any, Any]:
     """`compute(i, carry, fetch(i, after))` for layers i = 0 .. length - 1 (reversed with
     `reverse`), the outputs stacked by layer. `compute` takes a fourth argument, True for
@@ -138,6 +139,17 @@ def pipelined(
     the last layer runs after the loop, so nothing is fetched in vain. Outputs are written
     into whole stacks carried through the loop (concatenating a peeled layer's with the
     loop's would copy them). Returns `(carry, outputs)`.
+
+    With `branch` (`_Run.backward` on XLA:CPU, where the body recomputes under remat) the
+    peeled layer runs as the taken branch of a `lax.cond` whose predicate is tied to the
+    carry, so that XLA cannot fold it. Inline, what the layer's recompute builds from
+    constants alone (an attention's zero accumulators, a mask's fill: activation-sized
+    broadcasts) is shared with the forward's peeled layer by XLA's CSE, built at the
+    step's start and held through the backward loop (16 MiB per device for the trainer's
+    125M GPT); in the branch it is built when the layer runs. The branch returns the
+    layer's outputs, written into the stacks after it (a branch returning the stacks would
+    need a second buffer of them); the other branch, never taken, returns zeros and sends
+    nothing.
     """
     step = -1 if reverse else 1
     first, last = (length - 1, 0) if reverse else (0, length - 1)
@@ -159,7 +171,13 @@ def pipelined(
     layers = jnp.arange(length - lookahead) + (lookahead if reverse else 0)
     (carry, ahead, outs), _ = lax.scan(body, (carry, ahead, outs), layers, reverse=reverse)
     if lookahead:
-        carry, out = compute(jnp.asarray(last), carry, ahead, True)
+        peeled = lambda c: compute(jnp.asarray(last), c, ahead, True)  # noqa: E731
+        if branch:
+            taken = dataflow.tie(carry, jnp.asarray(1, jnp.int32)) > 0
+            skipped = lambda c: (c, _take(_stack_of(shapes, 1), 0))  # noqa: E731
+            carry, out = lax.cond(taken, peeled, skipped, carry)
+        else:
+            carry, out = peeled(carry)
         outs = _put(outs, out, last)
     return carry, outs
 
@@ -327,8 +345,9 @@ class _Run:
 
         fetch = lambda i, after: self.fetch_back(shards, kept, states, i, after)  # noqa: E731
         (g_c, g_cs), (d_plain, d_pieces, new_feedback) = pipelined(
-            fetch, compute, (g_carry, g_cs), g_carry, loop.length, loop.lookahead, reverse=True
-        )
+            fetch, compute, (g_carry, g_cs), g_carry, loop.length, loop.lookahead, reverse=True,
+            branch=loop.gathers.peel_in_branch and self.recomputes,
+        )  # fmt: skip
         d_plain = [
             d if fl else dataflow.zero_cotangent(x)
             for d, fl, x in zip(d_plain, floats, plain, strict=True)

@@ -143,6 +143,9 @@ class LeafGathers:
       hold_recomputed: whether a use inside a remat block holds the weights its recompute
         gathered for its backward rather than gathering them again (the mesh's devices
         are GPUs; see `dataflow.Gathers`).
+      peel_in_branch: whether the backward loop's peeled last layer runs inside a
+        `lax.cond` where the body recomputes (the mesh's devices are CPUs; see
+        `dataflow.Gathers`).
     """
 
     layouts: tuple[part.LeafLayout, ...]
@@ -153,6 +156,7 @@ class LeafGathers:
     states: tuple[LeafState, ...]
     barrier_ties: bool = False
     hold_recomputed: bool = False
+    peel_in_branch: bool = False
 
     def layout(self, leaf: int) -> part.LeafLayout:
         return self.layouts[leaf]
