@@ -388,8 +388,7 @@ def goal_overs(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     (0.012: 1.2% more; negative: less)."""
     base = rows["XLA FSDP"]
     return {
-        engine: {col: rows[engine][col] / base[col] - 1 for col in GOAL_COLUMNS}
-        for engine in GOALS
+        engine: {col: rows[engine][col] / base[col] - 1 for col in GOAL_COLUMNS} for engine in GOALS
     }
 
 
