@@ -166,7 +166,7 @@ def pipelined(
     shapes = jax.eval_shape(
         lambda c: compute(jnp.asarray(first), c, fetch(first, c), False)[1], carry
     )
-    outs = _stack_of(shapes, length)
+    outs = _zeros_of(shapes, (length,))  # the stacks the loop writes each layer into
     ahead = fetch(jnp.asarray(first), tie) if lookahead else ()
     layers = jnp.arange(length - lookahead) + (lookahead if reverse else 0)
     (carry, ahead, outs), _ = lax.scan(body, (carry, ahead, outs), layers, reverse=reverse)
@@ -174,7 +174,7 @@ def pipelined(
         peeled = lambda c: compute(jnp.asarray(last), c, ahead, True)  # noqa: E731
         if branch:
             taken = dataflow.tie(carry, jnp.asarray(1, jnp.int32)) > 0
-            skipped = lambda c: (c, _take(_stack_of(shapes, 1), 0))  # noqa: E731
+            skipped = lambda c: (c, _zeros_of(shapes, ()))  # noqa: E731
             carry, out = lax.cond(taken, peeled, skipped, carry)
         else:
             carry, out = peeled(carry)
@@ -503,13 +503,12 @@ def _put(stacks: Any, values: Any, i: Any) -> Any:
     )
 
 
-def _stack_of(shapes: Any, length: int) -> Any:
-    """Zeros of `length` entries stacked along a new leading axis, one per leaf of
-    `shapes` (`jax.ShapeDtypeStruct`s), varying over the manual axes its leaf varies over
-    (so that a loop may carry it and write the leaf's values into it)."""
+def _zeros_of(shapes: Any, lead: tuple[int, ...]) -> Any:
+    """Zeros of shape `(*lead, *leaf.shape)` per leaf of `shapes`, varying over the manual
+    axes the leaf varies over (what a loop's carry or a `lax.cond` branch must match)."""
 
     def zeros(x: jax.ShapeDtypeStruct) -> jax.Array:
-        z = jnp.zeros((length, *x.shape), x.dtype)
+        z = jnp.zeros((*lead, *x.shape), x.dtype)
         manual = getattr(x, "manual_axis_type", None)
         varying = tuple(sorted(manual.varying)) if manual is not None else ()
         return lax.pcast(z, varying, to="varying") if varying else z
